@@ -1,0 +1,241 @@
+"""Qwen3 configuration: a dataclass, named presets, and a reader for Hugging Face config.json.
+
+    cfg = Qwen3Config.preset("qwen3-8b")                    # known shapes, no download
+    cfg = Qwen3Config.from_hf("/models/Qwen3-8B")           # a directory, a config.json, or a dict
+    cfg = cfg.with_yarn(factor=32, original_max_position_embeddings=32768)
+
+Only what this repository can run is accepted: dense Qwen3 (no MoE, no sliding window), SiLU MLP,
+no attention bias, RoPE "default" or "yarn". Anything else is refused with an error that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN RoPE scaling (https://arxiv.org/abs/2309.00071), with transformers' defaults."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None  # None: 0.1 * ln(factor) + 1, as in the paper
+    truncate: bool = True  # round the correction range to whole dimensions, as transformers does
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor applied to cos and sin (so to q.k twice: its square scales the logits)."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128  # not hidden_size // heads for every size: 0.6B has 1024 / 16 -> 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    yarn: YarnScaling | None = None
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = 151643
+    eos_token_id: int | None = 151645
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    # ---- derived sizes ------------------------------------------------------------------
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def num_params(self) -> int:
+        """Parameter count (lm_head counted once when tied)."""
+        h, hd = self.hidden_size, self.head_dim
+        attn = h * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads) + 2 * hd
+        mlp = 3 * h * self.intermediate_size
+        layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h
+        return emb * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+
+    # ---- presets ------------------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str) -> "Qwen3Config":
+        if name not in PRESETS:
+            raise ValueError(f"unknown Qwen3 preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        return PRESETS[name]
+
+    def with_yarn(self, factor: float, original_max_position_embeddings: int, **kw) -> "Qwen3Config":
+        """The same model with YaRN RoPE scaling; max positions become factor x original."""
+        yarn = YarnScaling(float(factor), int(original_max_position_embeddings), **kw)
+        return replace(self, yarn=yarn,
+                       max_position_embeddings=int(factor * original_max_position_embeddings))
+
+    # ---- Hugging Face config.json in and out ----------------------------------------------
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> "Qwen3Config":
+        """Read a Hugging Face Qwen3 config: a model directory, a config.json path, or its dict.
+
+        Accepts both RoPE layouts: the older `rope_theta` + `rope_scaling` and the newer
+        `rope_parameters` (which holds rope_theta, rope_type and the YaRN fields).
+        """
+        if isinstance(path_or_dict, dict):
+            d, where = dict(path_or_dict), "the given dict"
+        else:
+            p = os.fspath(path_or_dict)
+            if os.path.isdir(p):
+                p = os.path.join(p, "config.json")
+            if not os.path.isfile(p):
+                raise FileNotFoundError(
+                    f"no Hugging Face config at {p!r}: pass a model directory holding config.json "
+                    f"(for example a local copy of Qwen/Qwen3-8B) or a preset name "
+                    f"({', '.join(sorted(PRESETS))})")
+            with open(p) as f:
+                d, where = json.load(f), p
+        _refuse_unsupported(d, where)
+
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling") or {}
+        if rope and not isinstance(next(iter(rope.values())), (int, float, str, bool, type(None))):
+            raise ValueError(f"{where}: per-layer-type rope_parameters are not supported")
+        theta = rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))
+        rs = {**scaling, **{k: v for k, v in rope.items() if k != "rope_theta"}}
+        rope_type = rs.get("rope_type", rs.get("type", "default")) or "default"
+        yarn = None
+        if rope_type == "yarn":
+            if "factor" not in rs or "original_max_position_embeddings" not in rs:
+                raise ValueError(f"{where}: YaRN rope scaling needs 'factor' and "
+                                 f"'original_max_position_embeddings'")
+            if rs.get("mscale") or rs.get("mscale_all_dim"):
+                raise ValueError(f"{where}: YaRN with mscale/mscale_all_dim (DeepSeek style) is not supported")
+            yarn = YarnScaling(
+                factor=float(rs["factor"]),
+                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+                beta_fast=float(rs.get("beta_fast") or 32.0),
+                beta_slow=float(rs.get("beta_slow") or 1.0),
+                attention_factor=(None if rs.get("attention_factor") is None else float(rs["attention_factor"])),
+                truncate=bool(rs.get("truncate", True)),
+            )
+        elif rope_type != "default":
+            raise ValueError(f"{where}: RoPE type {rope_type!r} is not supported (only 'default' and 'yarn')")
+
+        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        return cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(theta),
+            yarn=yarn,
+            max_position_embeddings=int(d.get("max_position_embeddings", 40960)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            initializer_range=float(d.get("initializer_range", 0.02)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=_first(d.get("eos_token_id")),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A config.json dict in the older layout (rope_theta + rope_scaling), which transformers
+        releases both before and after the `rope_parameters` change read."""
+        d: dict[str, Any] = {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "use_sliding_window": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "bfloat16",
+        }
+        if self.yarn is not None:
+            y = asdict(self.yarn)
+            d["rope_scaling"] = {"rope_type": "yarn", **{k: v for k, v in y.items() if v is not None}}
+        return d
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _first(x):
+    return x[0] if isinstance(x, list) and x else x
+
+
+def _refuse_unsupported(d: dict[str, Any], where: str) -> None:
+    model_type = d.get("model_type")
+    archs = d.get("architectures") or []
+    if model_type not in (None, "qwen3") or any(a != "Qwen3ForCausalLM" for a in archs):
+        raise ValueError(
+            f"{where}: model_type={model_type!r}, architectures={archs} is not a dense Qwen3 "
+            f"(model_type 'qwen3', Qwen3ForCausalLM); this trainer runs Qwen3 only")
+    if d.get("num_experts") or d.get("num_local_experts"):
+        raise ValueError(f"{where}: mixture-of-experts configs are not supported")
+    if d.get("use_sliding_window"):
+        raise ValueError(f"{where}: sliding-window attention (use_sliding_window=true) is not supported")
+    if d.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act={d['hidden_act']!r} is not supported (SiLU only)")
+    if d.get("attention_bias"):
+        raise ValueError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing:
+        raise ValueError(f"{where}: config is missing {missing}")
+
+
+PRESETS: dict[str, Qwen3Config] = {
+    # Shapes as published in the Qwen/Qwen3-* config.json files.
+    "qwen3-0.6b": Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-1.7b": Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-4b": Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": Qwen3Config(),
+    "qwen3-14b": Qwen3Config(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
+                             num_attention_heads=40, num_key_value_heads=8),
+    "qwen3-32b": Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                             num_attention_heads=64, num_key_value_heads=8),
+    # For tests and the CPU demo: head_dim deliberately not hidden / heads, GQA ratio 2.
+    "tiny": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        max_position_embeddings=4096, bos_token_id=None, eos_token_id=None),
+}
