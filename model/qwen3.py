@@ -1,0 +1,217 @@
+"""Qwen3 (dense) in plain PyTorch: one file, no framework, no torch.distributed.
+
+The module tree mirrors Hugging Face's Qwen3ForCausalLM, so `state_dict()` keys are exactly the
+checkpoint keys (`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, ...,
+`lm_head.weight`) and loading needs no renaming table.
+
+One decoder layer:  x + attn(norm(x)),  then  h + mlp(norm(h)),  where attention is
+    q, k, v projections -> per-head RMSNorm on q and k -> RoPE -> causal attention -> o_proj.
+
+Two things are left replaceable from outside, so that parallelism never edits this file:
+  * `Attention.attn_fn(q, k, v)`: the attention core on [B, T, heads, head_dim] tensors
+    (default: causal SDPA with grouped kv heads); sequence parallelism swaps in an all-to-all.
+  * each module's forward, as usual for wrappers such as checkpointing and FSDP2.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import Qwen3Config
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE (default and YaRN)
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (float32, on CPU) and the cos/sin scaling factor.
+
+    Computed in float32 with the same expressions as transformers' rope utilities, so a
+    checkpoint gets bit-for-bit the frequencies its reference implementation uses. Only the
+    angles (position x frequency) are then taken to float64: that product is where precision
+    is lost at a million positions.
+    """
+    dim, base = config.head_dim, config.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    y = config.yarn
+    if y is None:
+        return 1.0 / pos_freqs, 1.0
+
+    # YaRN: keep high frequencies (many rotations within the original context) as they are,
+    # divide low ones by `factor`, and blend linearly in between (arXiv 2309.00071, sec. 3.2).
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(y.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a division by zero in the ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1 where the original frequency is kept
+    inv_freq = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, y.attention_scaling
+
+
+def rope_cos_sin(config: Qwen3Config, position_ids: torch.Tensor, dtype: torch.dtype):
+    """cos and sin [B, T, head_dim] for integer positions [B, T].
+
+    Angles in float64: at position 10^6 a float32 angle is off by up to 0.03 rad (its spacing
+    there is 0.0625), which is a different position to the model. float64 is exact to 1e-10.
+    """
+    inv_freq, scale = rope_inv_freq(config)
+    inv_freq = inv_freq.to(device=position_ids.device, dtype=torch.float64)
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # [B, T, hd/2]
+    angles = torch.cat((angles, angles), dim=-1)  # [B, T, hd]
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, hd]; cos, sin [B, T, hd]."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, T, 1, hd]
+    return x * cos + rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, cast back, then scale: the order transformers uses.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
+
+    Query heads g*r .. g*r+g-1 share kv head r (g = nh / nkv); SDPA's enable_gqa does the
+    sharing without materialising repeated k and v.
+    """
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, heads, T, hd]
+        is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)  # [B, T, nh, hd]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        h, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.attn_fn = sdpa_attention  # replaceable attention core (see module docstring)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))  # [B, T, nh, hd]
+        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))  # [B, T, nkv, hd]
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # RoPE after the q/k norms
+        out = self.attn_fn(q, k, v)  # [B, T, nh, hd]
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Body(nn.Module):
+    """Embedding, decoder layers and final norm: the `model.` prefix of the checkpoint keys."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+class Qwen3(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Body(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two names
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> final normed hidden states [B, T, hidden].
+
+        position_ids are GLOBAL positions: a sequence shard starting at token s passes s, s+1, ...
+        """
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        x = self.model.embed_tokens(input_ids)  # [B, T, hidden]
+        # One cos/sin table shared by every layer (never recomputed or copied per layer).
+        cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin)
+        return self.model.norm(x)
+
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Full logits [B, T, vocab]: for tests and short inputs only (training uses the chunked loss)."""
+        return F.linear(self(input_ids, position_ids), self.lm_head.weight)
+
+    def set_attention(self, attn_fn) -> None:
+        """Replace the attention core of every layer, e.g. with a sequence-parallel one."""
+        for layer in self.model.layers:
+            layer.self_attn.attn_fn = attn_fn
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Weights for a run from scratch, as transformers initialises Qwen3: N(0, 0.02) for
+        linear and embedding weights, ones for the norms. Works on sharded (DTensor) parameters."""
+        std = self.config.initializer_range
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                m.weight.normal_(0.0, std)
+            elif isinstance(m, RMSNorm):
+                m.weight.fill_(1.0)

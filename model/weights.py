@@ -1,0 +1,239 @@
+"""Safetensors in and out, in the Hugging Face layout, for plain or FSDP2-sharded models.
+
+load_safetensors(model, path): every tensor is read lazily through safe_open's get_slice, and
+only the rows this process owns: for an FSDP2 parameter (a DTensor sharded on dim 0) that is its
+shard's rows, for a plain tensor all of them. No process reads a whole file or a tensor it does
+not own. Keys, shapes and missing tensors are checked first and reported together.
+
+save_safetensors(model, path): parameters are gathered one at a time (never the whole model on one
+device), rank 0 writes bf16 shards of at most 5 GB, an index, and config.json, which
+transformers' from_pretrained reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+try:  # DTensor is what FSDP2 parameters are; plain models never need it
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch built without distributed
+    dist, DTensor = None, ()
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "generation_config.json", "added_tokens.json")
+
+
+@dataclass
+class LoadStats:
+    tensors: int = 0
+    bytes_read: int = 0  # bytes of tensor data this process read from disk
+    checkpoint_bytes: int = 0  # bytes of tensor data in the whole checkpoint
+    files: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def checkpoint_files(path: str) -> dict[str, str]:
+    """Map every tensor name in a model directory to the .safetensors file that holds it."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model directory {path!r} does not exist (expected config.json and "
+                                f"*.safetensors in it)")
+    index = os.path.join(path, INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {path!r} (a PyTorch .bin checkpoint? convert it "
+                                f"with transformers' save_pretrained(safe_serialization=True))")
+    out = {}
+    for name in files:
+        with safe_open(os.path.join(path, name), framework="pt") as f:
+            out.update({k: os.path.join(path, name) for k in f.keys()})
+    return out
+
+
+def _owned_rows(t: torch.Tensor) -> tuple[int, int] | None:
+    """Rows [start, stop) of dim 0 that this process holds, or None for the whole tensor."""
+    if not isinstance(t, DTensor):
+        return None
+    mesh, start, stop = t.device_mesh, 0, t.shape[0]
+    for mesh_dim, p in enumerate(t.placements):
+        if isinstance(p, Replicate):
+            continue
+        if not (isinstance(p, Shard) and p.dim == 0):
+            raise NotImplementedError(f"loading into placement {p} is not supported (FSDP2 uses Shard(0))")
+        # torch.chunk semantics, nested per mesh dimension: chunk = ceil(rows / world)
+        size, coord = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+        rows = stop - start
+        chunk = -(-rows // size)
+        start, stop = min(start + coord * chunk, start + rows), min(start + (coord + 1) * chunk, start + rows)
+    return start, stop
+
+
+def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> LoadStats:
+    """Fill every parameter and persistent buffer of `model` from the checkpoint in `path`."""
+    where = checkpoint_files(path)
+    targets = model.state_dict(keep_vars=True)  # name -> Parameter (or DTensor Parameter)
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+
+    # Check everything before reading anything, and report all problems at once.
+    shapes, stats = {}, LoadStats(files=sorted(set(where.values())))
+    for file in stats.files:
+        with safe_open(file, framework="pt") as f:
+            for k in f.keys():
+                sl = f.get_slice(k)
+                shapes[k] = tuple(sl.get_shape())
+                stats.checkpoint_bytes += _numel(shapes[k]) * _dtype_size(sl.get_dtype())
+    sources = {name: name for name in targets}
+    if tied and "lm_head.weight" not in where:
+        sources["lm_head.weight"] = "model.embed_tokens.weight"  # tied files omit lm_head
+    missing = sorted(n for n, src in sources.items() if src not in where)
+    unexpected = sorted(k for k in where if k not in targets)
+    misshaped = [f"{n}: checkpoint {shapes[src]} vs model {tuple(targets[n].shape)}"
+                 for n, src in sources.items() if src in shapes and shapes[src] != tuple(targets[n].shape)]
+    if missing or unexpected or misshaped:
+        lines = [f"checkpoint {path!r} does not match the model ({type(model).__name__}):"]
+        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if items:
+                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
+        lines.append("  Is config.json the one that belongs to these weights?")
+        raise ValueError("\n".join(lines))
+
+    # Read file by file so each file is opened once; each tensor only in the rows we own.
+    by_file: dict[str, list[str]] = {}
+    done: set[int] = set()  # tied names share one parameter: fill it once
+    for name, src in sources.items():
+        if id(targets[name]) not in done:
+            done.add(id(targets[name]))
+            by_file.setdefault(where[src], []).append(name)
+    bar = _progress(sum(len(v) for v in by_file.values()), progress, "loading weights")
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                for name in names:
+                    t = targets[name]
+                    local = t.to_local() if isinstance(t, DTensor) else t
+                    rows = _owned_rows(t)
+                    sl = f.get_slice(sources[name])
+                    data = sl[:] if rows is None else sl[rows[0]:rows[1]]
+                    stats.bytes_read += data.numel() * data.element_size()
+                    local.copy_(data.to(local.dtype))  # bf16 file -> fp32 shard, on CPU or GPU
+                    stats.tensors += 1
+                    bar.update(1)
+    bar.close()
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------
+def save_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype = torch.bfloat16,
+                     max_shard_bytes: int = 5 * 10**9, tokenizer_dir: str | None = None,
+                     progress: bool = True) -> list[str]:
+    """Write `model` in the Hugging Face layout. Collective when the model is sharded: every
+    rank must call it; rank 0 writes. Returns the files written (on rank 0)."""
+    rank = dist.get_rank() if dist is not None and dist.is_initialized() else 0
+    config = getattr(model, "config", None)
+    params = model.state_dict(keep_vars=True)
+    if getattr(config, "tie_word_embeddings", False):
+        params.pop("lm_head.weight", None)  # transformers re-ties it from the embedding
+
+    # Plan the shards from shapes alone, so file names are known before anything is gathered.
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in params.items():
+        nbytes = t.numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    n = len(shards)
+    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+
+    written, weight_map, total = [], {}, 0
+    bar = _progress(len(params), progress and rank == 0, "saving weights")
+    with torch.no_grad():
+        for fname, shard in zip(names, shards):
+            tensors = {}
+            for name in shard:
+                t = params[name]
+                full = t.full_tensor() if isinstance(t, DTensor) else t  # collective for DTensors
+                if rank == 0:
+                    tensors[name] = full.detach().to(device="cpu", dtype=dtype).contiguous()
+                    total += tensors[name].numel() * tensors[name].element_size()
+                del full
+                bar.update(1)
+            if rank == 0:
+                tmp = os.path.join(path, fname + ".tmp")
+                save_file(tensors, tmp, metadata={"format": "pt"})
+                os.replace(tmp, os.path.join(path, fname))  # never a half-written file under the real name
+                weight_map.update({k: fname for k in tensors})
+                written.append(os.path.join(path, fname))
+    bar.close()
+
+    if rank == 0:
+        if n > 1:
+            _write_json(os.path.join(path, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+        if config is not None and hasattr(config, "to_hf"):
+            hf = config.to_hf()
+            hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+            _write_json(os.path.join(path, "config.json"), hf)
+        if tokenizer_dir and os.path.isdir(tokenizer_dir):
+            for f in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(tokenizer_dir, f)):
+                    shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(path, f))
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+def _write_json(p: str, obj) -> None:
+    with open(p + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(p + ".tmp", p)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+          "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _dtype_size(st_dtype: str) -> int:
+    return _SIZES.get(st_dtype, 4)
+
+
+class _NoBar:
+    def update(self, n=1):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled or total < 2:
+        return _NoBar()
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False)

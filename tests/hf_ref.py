@@ -1,0 +1,40 @@
+"""The reference side of the tests: transformers' Qwen3ForCausalLM built from our Qwen3Config."""
+
+import torch
+import transformers
+
+from model.config import Qwen3Config
+
+
+def hf_config(cfg: Qwen3Config) -> transformers.Qwen3Config:
+    d = {k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type", "torch_dtype")}
+    return transformers.Qwen3Config(**d)
+
+
+def hf_model(cfg: Qwen3Config, seed: int = 0) -> transformers.Qwen3ForCausalLM:
+    """A randomly initialised reference model in fp32, eval mode, eager-free SDPA attention."""
+    torch.manual_seed(seed)
+    m = transformers.Qwen3ForCausalLM(hf_config(cfg)).float().eval()
+    with torch.no_grad():  # norms start at 1: perturb them so a swapped norm would show
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def save_hf(model, path: str, max_shard_size: str = "50KB") -> None:
+    """save_pretrained with small shards, so loading crosses several files."""
+    model.save_pretrained(path, max_shard_size=max_shard_size, safe_serialization=True)
+
+
+def config_variants() -> dict[str, Qwen3Config]:
+    """Tiny configs covering the cases the parity tests must hold on."""
+    tiny = Qwen3Config.preset("tiny")  # head_dim 32 != 64 / 4, q/kv ratio 2, untied
+    from dataclasses import replace
+    return {
+        "untied-gqa2": tiny,
+        "tied-mha": replace(tiny, tie_word_embeddings=True, num_key_value_heads=4),
+        "gqa4-hd16": replace(tiny, num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=301),
+        "yarn4": tiny.with_yarn(4, 64),
+        "yarn32": tiny.with_yarn(32, 16),
+    }
