@@ -1,0 +1,143 @@
+"""build_rows: any source -> num_rows rows of exactly seq_len + 1 token ids, cached on disk.
+
+    rows = build_rows("pg19", "/models/Qwen3-8B", seq_len=1_048_576, num_rows=100, cache_dir="cache")
+    rows[0]            # uint32 [seq_len + 1], a slice of a read-only memmap
+    rows.built         # True if this call tokenised; False if it mapped an existing cache
+
+Sources (see data/sources.py for text):
+    "pg19", "hf:owner/name[:split]", a local directory / .jsonl / .parquet / glob
+                        books tokenised, joined with the end-of-text token, cut into rows;
+                        cached under cache_dir, rebuilt when the source, tokenizer, seq_len, seed
+                        or eos token change; more rows than cached -> rebuilt, fewer -> a prefix
+    "tokens:FILE.npy"   a token array used as is (memory-mapped): its rows if they are seq_len + 1
+                        long, otherwise its flat contents cut into consecutive slices
+    "synthetic:copy"    the long-range copy task of data/synthetic.py; needs vocab_size (or a
+                        tokenizer, whose base vocabulary is used); rows.predictable(i) marks the
+                        labels that can be predicted
+
+Every rank may call build_rows at once: one builds under a file lock, the others wait and map it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+
+from data import encode, sources
+from data.cache import CacheEntry
+from data.synthetic import CopyRows
+
+log = logging.getLogger(__name__)
+
+
+class Rows:
+    """Rows of token ids: rows[i] is row i, a 1-D array of seq_len + 1 ids; `tokens` is the 2-D array."""
+
+    def __init__(self, tokens: np.ndarray, *, meta: dict[str, Any] | None = None,
+                 path: str | None = None, built: bool = False):
+        if tokens.ndim != 2 or tokens.shape[1] < 2:
+            raise ValueError(f"rows must be a 2-D array [num_rows, seq_len + 1], got shape {tokens.shape}")
+        self.tokens, self.meta, self.path, self.built = tokens, meta or {}, path, built
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.tokens[i]
+
+    def predictable(self, i: int) -> None:
+        """Text has no marked positions: every label counts."""
+        return None
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.tokens, dtype=dtype)
+
+    def __repr__(self) -> str:
+        return f"Rows({len(self)} x {self.seq_len + 1}, {self.tokens.dtype}, path={self.path!r})"
+
+
+def build_rows(source: str, tokenizer: Any, seq_len: int, num_rows: int, *, cache_dir: str | None = None,
+               seed: int = 0, vocab_size: int | None = None, eos_token: str | None = None,
+               text_column: str = "text", shuffle_buffer: int = 100, progress: bool = True,
+               verify: bool = False) -> Rows | CopyRows:
+    """num_rows rows of seq_len + 1 tokens from `source`; see the module docstring.
+
+    tokenizer: a model directory (or hub id) or a transformers fast tokenizer. eos_token overrides
+    the separator between books (Qwen3-8B's tokenizer says "<|im_end|>"; the base model's
+    "<|endoftext|>"). shuffle_buffer is for hub streaming; verify re-hashes a cache before use.
+    """
+    source = os.fspath(source)
+    if int(seq_len) < 1 or int(num_rows) < 1:
+        raise ValueError(f"seq_len and num_rows must be positive, got {seq_len} and {num_rows}")
+    seq_len, num_rows = int(seq_len), int(num_rows)
+
+    if source == "synthetic:copy":
+        if vocab_size is None:
+            if tokenizer is None:
+                raise ValueError("synthetic:copy needs vocab_size= (or a tokenizer to take it from)")
+            vocab_size = encode.load_tokenizer(tokenizer).vocab_size  # without added special tokens
+        return CopyRows(seq_len, num_rows, int(vocab_size), seed=seed)
+    if source.startswith("synthetic:"):
+        raise ValueError(f"unknown synthetic source {source!r}; the one there is: 'synthetic:copy'")
+    if source.startswith("tokens:"):
+        return _token_file_rows(source[len("tokens:"):], seq_len, num_rows)
+    if cache_dir is None:
+        raise ValueError(f"source {source!r} is tokenised into a cache: pass cache_dir= (a local directory)")
+    if tokenizer is None:
+        raise ValueError(f"source {source!r} is text: pass the model's tokenizer (its directory or object)")
+
+    key = {"source": sources.describe(source, text_column, shuffle_buffer),
+           "tokenizer": encode.fingerprint(tokenizer), "eos_token": eos_token,
+           "seq_len": seq_len, "seed": seed}
+    name = source.replace("hf:", "") if sources.is_hub_source(source) else os.path.basename(source.rstrip("/"))
+    entry = CacheEntry(cache_dir, f"{name}-L{seq_len}-seed{seed}", key)
+    with entry.locked():
+        tokens = entry.load(num_rows, verify=verify)
+        built = tokens is None
+        if built:
+            tok = encode.load_tokenizer(tokenizer)
+            eos = encode.eos_id(tok, eos_token)
+            texts = sources.iter_documents(source, seed, text_column=text_column, shuffle_buffer=shuffle_buffer,
+                                           hf_cache_dir=os.path.join(cache_dir, "hf_datasets"))
+            info: dict[str, Any] = {"eos_id": eos, "source_string": source}
+            with entry.writer((num_rows, seq_len + 1), info) as out:
+                info.update(encode.pack_documents(texts, encode.encoder_for(tok), eos, out,
+                                                  progress=progress, desc=source))
+            log.info("tokenised %s: %d rows of %d tokens from %d documents in %.1f s -> %s", source,
+                     num_rows, seq_len + 1, info["documents"], info["build_seconds"], entry.npy)
+            tokens = entry.load(num_rows)
+            if tokens is None:
+                raise RuntimeError(f"the cache just written to {entry.npy} does not read back; is the disk full?")
+    return Rows(tokens, meta=entry.read_meta(), path=entry.npy, built=built)
+
+
+def _token_file_rows(path: str, seq_len: int, num_rows: int) -> Rows:
+    """Rows from a .npy of token ids, memory-mapped, never copied."""
+    try:
+        arr = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"tokens:{path}: cannot memory-map it as a .npy array ({e})") from e
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens:{path} holds {arr.dtype}, not integer token ids")
+    n = seq_len + 1
+    if arr.ndim == 2 and arr.shape[1] == n:
+        rows = arr
+    else:
+        flat = arr.reshape(-1)
+        rows = flat[:flat.size // n * n].reshape(-1, n)
+    if len(rows) < num_rows:
+        raise ValueError(f"tokens:{path} holds {arr.size:,} tokens ({len(rows)} rows of {n}), but "
+                         f"{num_rows} rows need {num_rows * n:,}; use fewer rows or a shorter seq_len")
+    meta = {"source": f"tokens:{os.path.abspath(path)}", "seq_len": seq_len, "num_rows": num_rows}
+    return Rows(rows[:num_rows], meta=meta, path=path, built=False)
