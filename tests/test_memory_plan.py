@@ -1,0 +1,300 @@
+"""The memory planner against reality: allocated bytes, saved tensors, DESIGN.md's figures, the CLI.
+
+What can be measured on a CPU is measured: parameter, gradient and AdamW bytes of a real model
+after one step (whole, and sharded by FSDP2 over a fake 4-rank world), and the tensors autograd
+saves in one decoder layer, with and without Ulysses attention. The rest is checked against the
+figures DESIGN.md derives by hand.
+"""
+
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bench.memory_plan import (GB, GiB, format_plan, layer_saved_bytes, max_seq_len, param_shapes,
+                               plan, plan_to_dict, shard_numel)
+from model.config import Qwen3Config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN3_8B = Qwen3Config.preset("qwen3-8b")
+T_1M = 1_048_576
+
+TINY = Qwen3Config.preset("tiny")  # untied, GQA 2, head_dim 32 != 64 / 4
+CONFIGS = {
+    "tiny": TINY,
+    "tied": replace(TINY, tie_word_embeddings=True, num_key_value_heads=4),
+    # vocab, hidden and intermediate sizes do not divide by 4: their FSDP2 shards are padded
+    "odd": replace(TINY, vocab_size=301, hidden_size=50, intermediate_size=102, num_hidden_layers=3,
+                   num_attention_heads=6, num_key_value_heads=3, head_dim=16),
+}
+
+
+def _state_bytes(model, opt) -> dict[str, int]:
+    """Bytes of the parameters, their .grad and AdamW's two moments, on this process.
+
+    Storages, each counted once: FSDP2's padding is in them, and its gradient shards of one
+    unit are views of one reduce-scatter output.
+    """
+    def nbytes(tensors):
+        storages = {}
+        for t in tensors:
+            s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+        return sum(storages.values())
+    params = list(model.parameters())  # a tied weight appears once
+    return {"params": nbytes(params), "grads": nbytes(p.grad for p in params),
+            "optim": nbytes(opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq"))}
+
+
+class _Logits(torch.nn.Module):
+    """Forward = logits, so that lm_head is used inside forward (where FSDP2 gathers it)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.m = model
+
+    def forward(self, ids):
+        return self.m.logits(ids)
+
+
+def _one_step(model, vocab: int):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.arange(12).remainder(vocab)[None]
+    model(ids).float().pow(2).mean().backward()
+    opt.step()
+    return opt
+
+
+# ---- (a) parameter, gradient and optimizer bytes -------------------------------------------------
+@pytest.mark.parametrize("name", CONFIGS)
+def test_param_shapes_are_the_models(name, fake_world_started):
+    from model.qwen3 import Qwen3
+    cfg = CONFIGS[name]
+    real = {n: tuple(p.shape) for n, p in Qwen3(cfg).named_parameters()}
+    assert param_shapes(cfg) == real
+    assert sum(torch.Size(s).numel() for s in param_shapes(cfg).values()) == cfg.num_params()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_state_bytes_equal_allocated_one_gpu(name):
+    from model.qwen3 import Qwen3  # same parameters as transformers' Qwen3ForCausalLM (tests/test_model.py)
+    cfg = CONFIGS[name]
+    torch.manual_seed(0)
+    model = _Logits(Qwen3(cfg).float())
+    got = _state_bytes(model, _one_step(model, cfg.vocab_size))
+    p = plan(cfg, 16, gpus=1, sp=1)
+    assert (p.param_shards, p.grad_shards, p.optimizer_states) == (got["params"], got["grads"], got["optim"])
+    assert p.param_shards == 4 * cfg.num_params()
+
+
+def _fake_world(world: int) -> dict:
+    """In a spawned process: one rank of a fake `world`-rank group (collectives do nothing, shapes
+    are real). Returns rank 0's FSDP2 state bytes and the bytes one decoder layer saves for
+    backward under Ulysses attention at several sp."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from model.qwen3 import DecoderLayer, Qwen3, rope_cos_sin
+    from model.ulysses import UlyssesAttention
+
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        out = {"fsdp": {}, "saved": {}}
+        for name, cfg in CONFIGS.items():
+            torch.manual_seed(0)
+            model = _Logits(Qwen3(cfg).float())
+            for layer in model.m.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            out["fsdp"][name] = _state_bytes(model, _one_step(model, cfg.vocab_size))
+
+        groups = {1: None, 2: dist.new_group([0, 1]), world: dist.group.WORLD}
+        for name in ("tiny", "tied"):  # 4 query heads; kv heads 2 (repeated at sp=4) and 4
+            cfg, t = CONFIGS[name], 96
+            for sp, group in groups.items():
+                layer = DecoderLayer(cfg).to(torch.bfloat16)
+                if group is not None:
+                    layer.self_attn.attn_fn = UlyssesAttention(group)
+                x = torch.randn(1, t, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+                cos, sin = rope_cos_sin(cfg, torch.arange(t)[None], torch.bfloat16)
+                skip = {a.untyped_storage().data_ptr() for a in (x, cos, sin, *layer.parameters())}
+                seen = {}
+
+                def pack(a):
+                    s = a.untyped_storage()
+                    if s.data_ptr() not in skip:
+                        seen[s.data_ptr()] = s.nbytes()
+                    return a
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda a: a):
+                    layer(x, cos, sin)
+                out["saved"][f"{name}/{sp}"] = sum(seen.values())
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fake_world_started():
+    """_fake_world(4) running in a spawned process: requested early, so that its start-up
+    (importing torch, FSDP2) overlaps with the tests that run in this process."""
+    ex = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    yield ex.submit(_fake_world, 4)
+    ex.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.fixture(scope="module")
+def fake_world(fake_world_started):
+    return fake_world_started.result(timeout=180)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_state_bytes_equal_fsdp2_shards(fake_world, name):
+    """Rank 0 of 4: every parameter's dim 0 is padded to a multiple of 4, then split."""
+    cfg, got = CONFIGS[name], fake_world["fsdp"][name]
+    p = plan(cfg, 16, gpus=4, sp=1)
+    assert (p.param_shards, p.grad_shards, p.optimizer_states) == (got["params"], got["grads"], got["optim"])
+    ceil = sum(-(-s[0] // 4) * torch.Size(s[1:]).numel() for s in param_shapes(cfg).values())
+    assert p.param_shards == 4 * ceil
+    if name == "odd":  # the padding is really there: rank 0 holds more than a quarter
+        assert p.param_shards // 4 > cfg.num_params() / 4
+        assert shard_numel((301, 50), 4) == 76 * 50
+
+
+@pytest.mark.parametrize("key", ["tiny/1", "tiny/2", "tiny/4", "tied/1", "tied/2", "tied/4"])
+def test_layer_saved_bytes_equal_autograd(fake_world, key):
+    """What model/qwen3.py's DecoderLayer (Ulysses attention for sp > 1) saves, byte for byte."""
+    name, sp = key.split("/")
+    want = layer_saved_bytes(CONFIGS[name], 96, int(sp), tiled_mlp=False)
+    assert sum(want.values()) == fake_world["saved"][key]
+
+
+# ---- (b) DESIGN.md's memory figures ------------------------------------------------------------------
+def test_naive_saved_inputs_are_288_gib():
+    one = plan(QWEN3_8B, T_1M, gpus=1, sp=1, offload=False)
+    assert one.saved_inputs_gpu == one.naive_saved_inputs == 36 * T_1M * 4096 * 2 == 288 * GiB
+    eight = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
+    assert eight.saved_inputs_gpu == 0
+    assert eight.saved_inputs_host_per_gpu == 36 * 131_072 * 4096 * 2  # 38.6 GB per GPU
+    assert eight.saved_inputs_host_per_gpu == pytest.approx(38.6 * GB, rel=0.005)
+    assert eight.saved_inputs_host_per_gpu * 8 == 288 * GiB  # pinned, per node
+
+
+def test_design_budget_table():
+    p = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
+    assert round((p.param_shards + p.grad_shards + p.optimizer_states) / GB, 1) == 16.4
+    assert 0.7 * GB < p.gathered_layers < p.gathered_params < 3 * GB
+    # without tiling, the recompute keeps four 131,072 x 12,288 bf16 MLP intermediates (3.2 GB each)
+    untiled = layer_saved_bytes(QWEN3_8B, 131_072, 8, tiled_mlp=False)
+    assert untiled["MLP gate, up, act, product"] == 4 * 131_072 * 12_288 * 2
+    big = plan(QWEN3_8B, T_1M, gpus=8, sp=8, tiled_mlp=False)
+    assert big.layer_working_set > p.layer_working_set + 15 * GB
+    assert p.loss_detail["fp32 lm_head gradient accumulator (V x H)"] == 151_936 * 4096 * 4  # 2.5 GB
+    assert p.fits and p.total < 56.2 * GB  # lighter than the public recipe
+    assert not plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False, tiled_mlp=False).fits
+
+
+# ---- (c) FLOPs -----------------------------------------------------------------------------------
+def test_flops_match_design():
+    p = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
+    assert p.flops_full_recompute == pytest.approx(1.52e18, rel=0.01)
+    assert p.flops_no_attn_recompute == pytest.approx(1.2e18, rel=0.01)
+    assert p.step_time_s == pytest.approx(192, abs=1)  # at 989 TFLOP/s on 8 GPUs
+    assert p.step_time_no_attn_recompute_s == pytest.approx(151, abs=1)
+    assert plan(QWEN3_8B, T_1M, gpus=8, sp=8, mfu=0.5).step_time_s == pytest.approx(2 * p.step_time_s)
+    two_rows = plan(QWEN3_8B, T_1M, gpus=16, sp=8)  # dp=2: twice the FLOPs, twice the GPUs
+    assert two_rows.flops_full_recompute == 2 * p.flops_full_recompute
+    assert two_rows.step_time_s == pytest.approx(p.step_time_s)
+
+
+# ---- (d) the longest sequence ------------------------------------------------------------------------
+def test_max_seq_len_qwen3_8b():
+    kw = dict(gpus=8, sp=8, gpu_mem_gb=80)
+    n = max_seq_len(QWEN3_8B, fused_norm=True, **kw)
+    assert n >= 4 * 2**20 and n % (1024 * 8) == 0
+    assert plan(QWEN3_8B, n, fused_norm=True, **kw).fits
+    assert not plan(QWEN3_8B, n + 1024 * 8, fused_norm=True, **kw).fits
+    # model/qwen3.py's RMSNorm (fp32 copy of every norm input saved) costs about a third of that
+    assert 2 * 2**20 < max_seq_len(QWEN3_8B, **kw) < n
+    # Host memory binds too: torch's pinned allocator rounds each layer's block up to a power of
+    # two, so a 2 TB node (DGX H100) holds exactly 4M tokens, and 1 TB holds less.
+    assert max_seq_len(QWEN3_8B, fused_norm=True, host_mem_gb=2048, **kw) == 4 * 2**20
+    capped = max_seq_len(QWEN3_8B, fused_norm=True, host_mem_gb=1000, **kw)
+    assert capped < 4 * 2**20 and plan(QWEN3_8B, capped, fused_norm=True, host_mem_gb=1000, **kw).fits_host
+    three = plan(QWEN3_8B, 3 * 2**20, **kw)  # 3.2 GB of layer input per GPU -> a 4 GiB pinned block
+    assert three.saved_inputs_host_per_gpu == 36 * 4 * GiB
+    assert three.offload_bytes_per_step == 2 * 36 * 393_216 * 4096 * 2
+    assert max_seq_len(QWEN3_8B, gpus=1, sp=1, gpu_mem_gb=16) == 0  # the fp32 state alone is 131 GB
+
+
+# ---- (e) bad inputs --------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(gpus=8, sp=3), r"sp \(3\) must divide the number of GPUs \(8\)"),
+    (dict(gpus=8, sp=8, seq_len=1004), r"seq_len \(1004\) must be a positive multiple of sp \(8\)"),
+    (dict(gpus=8, sp=4, dp=3), r"dp x sp must equal"),
+    (dict(gpus=16, sp=16), r"must fit in one node"),
+    (dict(gpus=8, sp=8, mfu=1.5), r"mfu"),
+    (dict(gpus=8, sp=8, loss_chunk=0), r"loss_chunk must be positive"),
+    (dict(gpus=6, sp=6, seq_len=6 * 2**17), r"32 heads cannot be split over sp=6"),
+    (dict(gpus=8, sp=8, config=replace(QWEN3_8B, num_attention_heads=20, num_key_value_heads=4)),
+     r"20 heads cannot be split over sp=8"),
+    (dict(gpus=4, sp=4, config=replace(QWEN3_8B, num_attention_heads=12, num_key_value_heads=6)),
+     r"6 kv heads cannot be split over sp=4"),
+])
+def test_bad_inputs_raise(kwargs, match):
+    cfg = kwargs.pop("config", QWEN3_8B)
+    seq_len = kwargs.pop("seq_len", T_1M)
+    with pytest.raises(ValueError, match=match):
+        plan(cfg, seq_len, **kwargs)
+
+
+def test_kv_heads_repeat_when_sp_exceeds_them():
+    cfg = replace(QWEN3_8B, num_key_value_heads=4)  # sp=8 > 4 kv heads: each is repeated twice
+    saved = layer_saved_bytes(cfg, 131_072, 8)
+    q, kv = T_1M * 4 * 128 * 2, T_1M * 1 * 128 * 2  # per rank: 4 query heads, 1 kv head, whole sequence
+    assert saved["q, k, v at SDPA [T, heads/sp, hd]"] == q + 2 * kv
+
+
+# ---- (f) the outputs and the command line ------------------------------------------------------------
+def test_format_and_dict():
+    p = plan(QWEN3_8B, T_1M, gpus=8, sp=8, model="qwen3-8b")
+    text = format_plan(p)
+    for s in ("fp32 parameter shards", "AdamW states", "gathered bf16 parameters", "host memory per node",
+              "1.521e+18", "longest sequence that fits", "public recipe", "380 s", "56.2 GB", "288 GiB"):
+        assert s in text, s
+    d = plan_to_dict(p, longest=True)
+    json.dumps(d)
+    assert d["param_shards"] == p.param_shards and d["max_seq_len"] > T_1M and d["fits"]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, os.path.join("bench", "memory_plan.py"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_cli_table_json_errors(tmp_path):
+    r = _cli("--model", "qwen3-8b", "--seq-len", "1048576", "--gpus", "8", "--sp", "8")
+    assert r.returncode == 0, r.stderr
+    assert "peak = held + max" in r.stdout and "public recipe" in r.stdout and "1.521e+18" in r.stdout
+
+    (tmp_path / "config.json").write_text(json.dumps(Qwen3Config.preset("qwen3-0.6b").to_hf()))
+    r = _cli("--model", str(tmp_path), "--seq-len", "65536", "--gpus", "2", "--no-offload",
+             "--no-tiled-mlp", "--loss-chunk", "512", "--gpu-mem-gb", "40", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["sp"] == 2 and d["saved_inputs_gpu"] > 0 and d["loss_chunk"] == 512 and d["max_seq_len"] > 0
+
+    r = _cli("--gpus", "8", "--sp", "3")
+    assert r.returncode == 2 and "sp (3) must divide the number of GPUs (8)" in r.stderr
+    r = _cli("--model", str(tmp_path / "missing"))
+    assert r.returncode == 2 and "no Hugging Face config" in r.stderr
