@@ -1,0 +1,180 @@
+"""Cross-entropy over a large vocabulary, computed in row chunks so the logits never exist whole.
+
+For one row h [H] with logits z = W h [V] and label t:
+
+    loss  = logsumexp(z) - z[t]
+    dL/dz = softmax(z) - onehot(t) =: p            [V]
+    dL/dh = p @ W                                   [H]
+    dL/dW = outer(p, h), summed over rows          [V, H]
+
+Once p is known both gradients are one matrix product away, so the forward pass computes them
+chunk by chunk (three products per chunk: z = h W^T, p W, p^T h) and backward only scales them
+by the incoming gradient; recomputing the logits in backward would cost a fourth product.
+
+Products run in the input dtype (bf16 on tensor cores) with fp32 accumulation, logsumexp and
+softmax in fp32, and the weight gradient is accumulated over chunks in fp32 and cast once.
+Memory: one [chunk, V] fp32 buffer (plus its bf16 copy for bf16 inputs), the [N, H] hidden
+gradient and the [V, H] fp32 weight-gradient accumulator; nothing [N, V] is ever allocated.
+
+Depends on nothing but torch; copy it freely.
+"""
+
+import torch
+from torch.autograd.function import once_differentiable
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+_FUSED = {}  # device type -> (mm takes out_dtype, addmm takes out_dtype with an fp32 accumulator)
+
+
+def _fused_ops(device):
+    """Which mixed-dtype products (bf16 x bf16 -> fp32) this device's torch offers; CUDA does."""
+    if device.type not in _FUSED:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+        acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
+        found = []
+        for op in (lambda: torch.mm(a, a, out_dtype=torch.float32),
+                   lambda: torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)):
+            try:
+                op()
+                found.append(True)
+            except (RuntimeError, NotImplementedError, TypeError):
+                found.append(False)
+        _FUSED[device.type] = tuple(found)
+    return _FUSED[device.type]
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Sum (or mean) of cross_entropy(hidden @ weight.T, labels), both gradients made in forward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, mean, need_h, need_w):
+        n_rows, dim = hidden.shape
+        vocab = weight.shape[0]
+        dtype, device = hidden.dtype, hidden.device
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        low = dtype in _LOW_PRECISION
+        fused_mm, fused_addmm = _fused_ops(device) if low else (False, False)
+
+        # Ignored rows cost nothing: only the rows that count enter the products.
+        labels = labels.long()
+        rows = (labels != ignore_index).nonzero().squeeze(1)  # [n]
+        n = rows.numel()
+        dense = n == n_rows  # every row counts: chunks are plain slices, no gathers
+
+        grad_h = grad_w = None
+        if need_h:
+            grad_h = (torch.empty if dense else torch.zeros)(n_rows, dim, dtype=dtype, device=device)
+        if need_w:
+            grad_w = torch.zeros(vocab, dim, dtype=acc, device=device)
+        losses = torch.empty(n, dtype=acc, device=device)
+
+        # Buffers reused by every chunk (a fresh [C, V] per chunk costs page faults on CPU).
+        c_max = min(chunk_size, n)
+        z_buf = torch.empty(c_max, vocab, dtype=acc, device=device)
+        p_buf = None
+        if low and (need_h or need_w):
+            p_buf = torch.empty(c_max, vocab, dtype=dtype, device=device)
+
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            c = e - s
+            if dense:
+                h, t = hidden[s:e], labels[s:e]
+            else:
+                idx = rows[s:e]
+                h, t = hidden.index_select(0, idx), labels.index_select(0, idx)
+            t = t.unsqueeze(1)  # [c, 1]
+
+            # Logits in fp32: straight out of the bf16 GEMM where torch can, else one upcast.
+            z = z_buf[:c]  # [c, V]
+            if not low:
+                torch.mm(h, weight.T, out=z)
+            elif fused_mm:
+                torch.mm(h, weight.T, out_dtype=torch.float32, out=z)
+            else:
+                z.copy_(torch.mm(h, weight.T))
+
+            # Stable logsumexp, in place: z <- exp(z - max), loss = log(sum) - (z_t - max).
+            z.sub_(z.amax(dim=1, keepdim=True))
+            z_t = z.gather(1, t)  # [c, 1]
+            z.exp_()
+            total = z.sum(dim=1, keepdim=True)  # [c, 1]
+            losses[s:e] = (total.log() - z_t).squeeze(1)
+            if not (need_h or need_w):
+                continue
+
+            # p = softmax - onehot; the target entry is formed in fp32 before any rounding.
+            if low:
+                p = torch.div(z, total, out=p_buf[:c])  # [c, V], rounded once to bf16
+            else:
+                p = z.div_(total)
+            p.scatter_(1, t, (z_t.exp() / total - 1).to(p.dtype))
+
+            if need_h:
+                if dense:
+                    torch.mm(p, weight, out=grad_h[s:e])
+                else:
+                    grad_h.index_copy_(0, idx, torch.mm(p, weight))
+            if need_w:
+                # grad_w += p.T @ h. For bf16 the best is one GEMM that reads bf16 operands and
+                # accumulates into the fp32 buffer in place (addmm with out_dtype, on CUDA).
+                # Without it, round each chunk's bf16 product once and add it in fp32: still
+                # fp32 across chunks, at the cost of a [V, H] bf16 temporary. Upcasting the
+                # weight, or keeping the accumulator in bf16, is what we must not do.
+                if not low:
+                    grad_w.addmm_(p.T, h)
+                elif fused_addmm:
+                    torch.addmm(grad_w, p.T, h, out_dtype=torch.float32, out=grad_w)
+                else:
+                    grad_w.add_(torch.mm(p.T, h))
+
+        loss = losses.sum()
+        if mean and n > 0:
+            loss = loss / n
+        # Saved (not ctx attributes) so autograd frees them right after backward.
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.w_dtype = weight.dtype
+        ctx.divisor = n if mean and n > 0 else 1
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss):
+        # A 1-element (not 0-dim) fp32 factor makes the multiply run in fp32 and round once
+        # to the output dtype; a 0-dim factor would itself be rounded to bf16 first.
+        scale = (grad_loss / ctx.divisor).reshape(1)
+        saved_h, saved_w = ctx.saved_tensors
+        grad_h = grad_w = None
+        if saved_h is not None:
+            grad_h = torch.mul(saved_h, scale, out=torch.empty_like(saved_h))
+        if saved_w is not None:
+            out = torch.empty_like(saved_w, dtype=ctx.w_dtype)
+            grad_w = torch.mul(saved_w, scale, out=out)  # the one cast of the fp32 accumulator
+        return grad_h, grad_w, None, None, None, None, None, None
+
+
+def chunked_cross_entropy(hidden, weight, labels, *, chunk_size=256, ignore_index=-100,
+                          reduction="sum"):
+    """cross_entropy(hidden @ weight.T, labels) for hidden [N, H], weight [V, H], labels [N].
+
+    "sum" returns the sum over non-ignored rows (divide by a global label count yourself);
+    "mean" divides by the local count. With no valid label the loss is 0 and gradients are
+    zero. The loss is float32 (float64 for float64 inputs). weight may be a plain tensor or
+    the gathered lm_head weight of an FSDP2 model; it is read as is, never gathered per chunk.
+    Backward may run more than once (retain_graph), but not create_graph.
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} "
+                         f"and {tuple(weight.shape)}")
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"labels must be [N={hidden.shape[0]}], got {tuple(labels.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    grad_on = torch.is_grad_enabled()
+    return ChunkedCrossEntropy.apply(
+        hidden, weight, labels, int(chunk_size), ignore_index, reduction == "mean",
+        grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
