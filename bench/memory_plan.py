@@ -49,8 +49,7 @@ PUBLIC_RECIPE = {
 # ---- parameters ------------------------------------------------------------------------------
 def param_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape under its Hugging Face name (lm_head left out when tied)."""
-    c = config
-    H, hd, q, kv = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    c, H = config, config.hidden_size
     shapes = {"model.embed_tokens.weight": (c.vocab_size, H)}
     for i in range(c.num_hidden_layers):
         shapes.update({f"model.layers.{i}.{k}": s for k, s in _layer_shapes(c).items()})
