@@ -1,0 +1,437 @@
+"""Checkpoint with offload: each decoder layer keeps only its input, in host memory.
+
+    pool = apply_offload(model, tile_mlp=8192)   # every model.model.layers[i], in place
+    loss.backward(); opt.step()
+    log(pool.reset_step())                       # bytes moved each way this step, pool size
+
+At 1M tokens over 8 GPUs a layer input is 131,072 x 4096 x 2 B = 1 GiB per GPU, 36 GiB for the
+model: the largest thing on the card. Each wrapped layer recomputes everything in backward and
+keeps only that input, copied to host memory while the layer computes and copied back one layer
+ahead of the recompute that needs it.
+
+Mechanism: non-reentrant torch.utils.checkpoint inside the layer's forward, under our own
+torch.autograd.graph.saved_tensors_hooks. Non-reentrant checkpoint saves its *inputs* through
+whatever saved-tensor hooks are active around it (that is how `save_on_cpu` composes with it)
+and swaps everything the layer saves internally for recompute holders with its own, inner hooks.
+So our hooks see exactly the layer's inputs, and nothing else:
+  * pack (forward): a plain tensor that needs grad, is not empty and has >= min_bytes (the hidden
+    state x) is copied into a host buffer; everything else is kept by reference. The RoPE tables
+    need no grad, so all layers share the one cos/sin: never copied, never duplicated. Parameters
+    and tensor subclasses (DTensor) are never moved.
+  * unpack (backward, when checkpoint recomputes the layer): the host copy comes back to the
+    device, and the input of the layer recomputed next (the one packed just before) starts
+    coming back too, so that copy runs while this layer recomputes.
+Why not a custom autograd.Function (reentrant style): that would run a nested backward per layer
+and hide the parameters from the outer graph. Here the gradients flow through the layer's
+original forward graph into the same parameters (FSDP2's unsharded ones), so FSDP2's
+pre-backward all-gather and post-backward reduce-scatter work exactly as without us.
+
+The wrapper replaces the layer *instance's* `forward` (nothing is inserted into the module tree,
+so state_dict keys are unchanged). FSDP2 hooks live on `__call__`, so they run around it whether
+fully_shard came before or after apply_offload; the recompute calls the plain body inside
+backward, after FSDP2's pre-backward hook has gathered the parameters again. A replaced
+`self_attn.attn_fn` runs in forward and recompute like any other code in the body.
+
+CUDA (copies on side streams, memory only from the compute stream's allocator pool):
+  * D2H: the copy stream waits for the compute stream, copies x into a pinned buffer and records
+    an event. x stays referenced until the layer's forward returns; then the compute stream waits
+    for that event (on the GPU, no host sync) and the reference is dropped, so x's memory is only
+    reused by compute work ordered after the copy. The copy overlaps the layer's own compute.
+  * H2D: the device tensor is allocated on the compute stream; the copy stream waits for the
+    compute stream (that memory may still be read by queued kernels) and for the D2H event, then
+    copies; the compute stream waits for the copy's event before the recompute reads it.
+  * Pool: host buffers keyed by (shape, dtype), allocated in step 1 and reused after: a buffer
+    returns when its handle dies (once the layer's backward is done), carrying the event of its
+    last copy, which the next D2H into it waits for. Pinned memory from torch's host allocator is
+    rounded up to a power of two (exact for 2^k tokens x 4096 x 2 B); `pinned_bytes` reports it.
+On CPU the same code runs with host buffers from a plain pool and synchronous copies, so it is
+tested without a GPU.
+
+Tiled MLP: the SwiGLU MLP as an autograd.Function over tiles of `tile` tokens. Forward runs
+tile by tile under no_grad and saves only its input (and weights); backward recomputes each tile
+with grad and accumulates input and weight gradients (weights in fp32). Intermediates are
+[tile, intermediate] instead of [tokens, intermediate]. Weights are Function inputs, so autograd
+delivers their grads to whatever parameters the MLP holds (FSDP2's unsharded ones included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["OffloadPool", "OffloadStats", "apply_offload", "remove_offload", "offload_layer",
+           "set_mlp_tiling", "tiled_mlp"]
+
+DEFAULT_MIN_BYTES = 1 << 20
+
+
+@dataclass
+class OffloadStats:
+    """Counters since the last reset_step(); the pool_* and in_use fields are current sizes."""
+
+    d2h_bytes: int = 0  # device -> host this step
+    h2d_bytes: int = 0  # host -> device this step
+    d2h_copies: int = 0
+    h2d_copies: int = 0
+    prefetched: int = 0  # H2D copies started before their recompute asked for them
+    host_allocs: int = 0  # host buffers allocated this step: 0 once the pool is warm
+    pool_bytes: int = 0  # all host buffers, free and in use (requested sizes)
+    pinned_bytes: int = 0  # what the pinned host allocator really holds (power-of-two blocks)
+    pool_buffers: int = 0
+    in_use_buffers: int = 0  # holding a layer input right now
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class _HostCopy:
+    """What the pack hook returns for a moved tensor: its host buffer, and its trip back."""
+
+    __slots__ = ("pool", "key", "buf", "device", "event", "ready", "prev", "__weakref__")
+
+    def __init__(self, pool: "OffloadPool", key, buf: torch.Tensor, device: torch.device):
+        self.pool, self.key, self.buf, self.device = pool, key, buf, device
+        self.event = None  # CUDA: event of the last copy touching buf (D2H, later H2D)
+        self.ready = None  # (device tensor, event, stream it was allocated on) once fetched
+        self.prev = None  # weakref to the handle packed before this one: the next to recompute
+
+    def __del__(self):
+        # The layer's backward is done (or its graph was dropped): the buffer goes back.
+        try:
+            if self.ready is not None and self.device.type == "cuda":
+                out, ev, stream = self.ready
+                stream.wait_event(ev)  # an unused prefetch: its memory is reused only after the copy
+            self.ready = None
+            self.pool._give(self.key, self.buf, self.event)
+        except Exception:  # interpreter shutdown; nothing to return to
+            pass
+
+
+class OffloadPool:
+    """Host buffers for offloaded layer inputs, the copy streams, and the counters."""
+
+    def __init__(self, min_bytes: int = DEFAULT_MIN_BYTES):
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+        self.min_bytes = int(min_bytes)
+        self._free: dict[tuple, list] = {}  # (shape, dtype, pinned) -> [(buffer, last-use event)]
+        self._streams: dict[int, tuple] = {}  # cuda device index -> (d2h stream, h2d stream)
+        self._pending: list = []  # (event, device tensor) of D2H copies in flight
+        self._last = None  # weakref to the most recently packed handle
+        self._closed = False
+        self._step = OffloadStats()
+        self._pool_bytes = self._pinned_bytes = self._pool_buffers = self._in_use = 0
+
+    # ---- public ------------------------------------------------------------------------------
+    def stats(self) -> OffloadStats:
+        """This step's counters and the pool's current size."""
+        s = OffloadStats(**{**self._step.as_dict()})
+        s.pool_bytes, s.pinned_bytes = self._pool_bytes, self._pinned_bytes
+        s.pool_buffers, s.in_use_buffers = self._pool_buffers, self._in_use
+        return s
+
+    def reset_step(self) -> OffloadStats:
+        """This step's counters (as stats()), then start counting the next step."""
+        s = self.stats()
+        self._step = OffloadStats()
+        return s
+
+    def close(self) -> None:
+        """Drop the free host buffers (buffers still in use are dropped when their graph dies)."""
+        self._release_pending()
+        self._free.clear()
+        self._closed = True
+        self._pool_bytes = self._pinned_bytes = self._pool_buffers = self._in_use = 0
+
+    def should_move(self, t) -> bool:
+        """Moved: plain tensors on cpu/cuda that need grad, are not empty and have >= min_bytes."""
+        return (type(t) is torch.Tensor and t.requires_grad and t.numel() > 0
+                and t.device.type in ("cuda", "cpu")
+                and t.numel() * t.element_size() >= self.min_bytes)
+
+    # ---- host buffers ------------------------------------------------------------------------
+    def _take(self, shape, dtype, pinned: bool):
+        key = (tuple(shape), dtype, pinned)
+        free = self._free.get(key)
+        if free:
+            buf, last_event = free.pop()
+        else:
+            buf, last_event = torch.empty(shape, dtype=dtype, pin_memory=pinned), None
+            nbytes = buf.numel() * buf.element_size()
+            self._pool_bytes += nbytes
+            self._pinned_bytes += (1 << (nbytes - 1).bit_length()) if pinned else 0
+            self._pool_buffers += 1
+            self._step.host_allocs += 1
+        self._in_use += 1
+        return key, buf, last_event
+
+    def _give(self, key, buf, last_event) -> None:
+        if not self._closed:
+            self._in_use -= 1
+            self._free.setdefault(key, []).append((buf, last_event))
+
+    def _copy_streams(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._streams:
+            self._streams[idx] = (torch.cuda.Stream(device=idx), torch.cuda.Stream(device=idx))
+        return self._streams[idx]
+
+    # ---- saved-tensor hooks ------------------------------------------------------------------
+    def _pack(self, t):
+        if not self.should_move(t):
+            return t  # kept by reference: shared tables, small tensors, parameters
+        if self._closed:
+            raise RuntimeError("OffloadPool was closed; build a new one (apply_offload(..., pool=None))")
+        cuda = t.device.type == "cuda"
+        key, buf, last_event = self._take(t.shape, t.dtype, pinned=cuda)
+        h = _HostCopy(self, key, buf, t.device)
+        if cuda:
+            compute = torch.cuda.current_stream(t.device)
+            d2h, _ = self._copy_streams(t.device)
+            d2h.wait_stream(compute)  # t is produced by queued compute work
+            if last_event is not None:
+                d2h.wait_event(last_event)  # the buffer's previous H2D read is done
+            with torch.cuda.stream(d2h):
+                buf.copy_(t, non_blocking=True)
+            h.event = torch.cuda.Event()
+            h.event.record(d2h)
+            self._pending.append((h.event, t))  # t stays alive until its copy is done
+        else:
+            buf.copy_(t)
+        h.prev, self._last = self._last, weakref.ref(h)
+        self._step.d2h_bytes += buf.numel() * buf.element_size()
+        self._step.d2h_copies += 1
+        return h
+
+    def _unpack(self, packed):
+        if not isinstance(packed, _HostCopy):
+            return packed
+        if packed.ready is None:
+            self._fetch(packed)
+        out, ev, _ = packed.ready
+        packed.ready = None
+        if ev is not None:
+            torch.cuda.current_stream(packed.device).wait_event(ev)
+        # Start the input of the next layer to recompute (packed just before this one).
+        prev = packed.prev() if packed.prev is not None else None
+        if prev is not None and prev.ready is None:
+            self._fetch(prev)
+            self._step.prefetched += 1
+        return out
+
+    def _fetch(self, h: _HostCopy) -> None:
+        """Start copying h's host buffer back to its device; h.ready holds the result."""
+        if h.device.type == "cuda":
+            compute = torch.cuda.current_stream(h.device)
+            _, h2d = self._copy_streams(h.device)
+            out = torch.empty(h.buf.shape, dtype=h.buf.dtype, device=h.device)  # compute's pool
+            h2d.wait_stream(compute)  # out's memory may still be read by queued compute kernels
+            h2d.wait_event(h.event)  # the D2H copy into buf is complete
+            with torch.cuda.stream(h2d):
+                out.copy_(h.buf, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(h2d)
+            h.event, h.ready = ev, (out, ev, compute)
+        else:
+            h.ready = (h.buf.clone(), None, None)
+        self._step.h2d_bytes += h.buf.numel() * h.buf.element_size()
+        self._step.h2d_copies += 1
+
+    def _release_pending(self) -> None:
+        """Compute stream waits for each in-flight D2H copy; then the device tensor may go."""
+        for ev, t in self._pending:
+            torch.cuda.current_stream(t.device).wait_event(ev)
+        self._pending.clear()
+
+    @contextlib.contextmanager
+    def _layer_scope(self, args, kwargs):
+        """Offload the checkpoint inputs of one layer call; check that x really moved."""
+        moved_before = self._step.d2h_copies
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._release_pending()
+        expected = sum(self.should_move(a) for a in (*args, *kwargs.values()))
+        if self._step.d2h_copies - moved_before < expected:
+            raise RuntimeError(
+                "offload: torch.utils.checkpoint did not save the layer inputs through the outer "
+                "saved-tensor hooks, so nothing was offloaded; this torch version "
+                f"({torch.__version__}) is not supported by model/offload.py")
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer wrapper
+# ---------------------------------------------------------------------------------------------
+class _OffloadedForward:
+    """Installed as `layer.forward`: checkpoint the original forward, offloading its inputs."""
+
+    def __init__(self, layer: nn.Module, pool: OffloadPool | None, preserve_rng_state: bool):
+        self.own = layer.__dict__.get("forward")  # an instance forward we wrap, to restore later
+        self.body = self.own or types.MethodType(type(layer).forward, layer)
+        self.pool, self.preserve_rng_state = pool, preserve_rng_state
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.body(*args, **kwargs)  # nothing is saved without grad
+        scope = self.pool._layer_scope(args, kwargs) if self.pool is not None else contextlib.nullcontext()
+        with scope:
+            return checkpoint(self.body, *args, use_reentrant=False,
+                              preserve_rng_state=self.preserve_rng_state, **kwargs)
+
+
+class _TiledMLPForward:
+    """Installed as `mlp.forward`: the MLP's SwiGLU through tiled_mlp."""
+
+    def __init__(self, mlp: nn.Module, tile: int):
+        self.own = mlp.__dict__.get("forward")
+        self.mlp, self.tile = mlp, tile
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.mlp  # weights read at call time: FSDP2's unsharded ones inside forward/backward
+        return tiled_mlp(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.tile)
+
+
+def offload_layer(layer: nn.Module, pool: OffloadPool | None, *, tile_mlp: int | None = None,
+                  preserve_rng_state: bool = False) -> None:
+    """Checkpoint `layer` (in place), offloading its inputs to `pool`; pool=None: plain checkpoint.
+
+    preserve_rng_state=False: Qwen3 layers draw no random numbers, so replaying the RNG is waste.
+    """
+    if isinstance(layer.__dict__.get("forward"), _OffloadedForward):
+        raise RuntimeError(f"{type(layer).__name__} is already wrapped by offload_layer; "
+                           f"call remove_offload first")
+    if tile_mlp is not None:
+        set_mlp_tiling(layer.mlp, tile_mlp)
+    layer.forward = _OffloadedForward(layer, pool, preserve_rng_state)
+
+
+def set_mlp_tiling(mlp: nn.Module, tile: int | None) -> None:
+    """Run `mlp` (gate_proj, up_proj, down_proj, no bias) in tiles of `tile` tokens; None: untiled."""
+    current = mlp.__dict__.get("forward")
+    if isinstance(current, _TiledMLPForward):
+        _restore(mlp, current.own)
+    if tile is None:
+        return
+    if int(tile) != tile or tile <= 0:
+        raise ValueError(f"tile_mlp must be a positive number of tokens, got {tile!r}")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(mlp, name, None)
+        if not isinstance(lin, nn.Linear) or lin.bias is not None:
+            raise TypeError(f"set_mlp_tiling needs a SwiGLU MLP with bias-free Linear gate_proj, "
+                            f"up_proj and down_proj; {type(mlp).__name__}.{name} is {lin!r}")
+    mlp.forward = _TiledMLPForward(mlp, int(tile))
+
+
+def _restore(module: nn.Module, own) -> None:
+    if own is None:
+        del module.forward  # back to the class's forward
+    else:
+        module.forward = own
+
+
+def _find_layers(model: nn.Module):
+    for path in ("model.layers", "layers"):
+        obj = model
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    if isinstance(model, nn.ModuleList):
+        return model
+    raise TypeError(f"apply_offload: {type(model).__name__} has no `model.layers` or `layers` "
+                    f"ModuleList (pass a Qwen3, a module holding `layers`, or the ModuleList)")
+
+
+def apply_offload(model: nn.Module, *, offload: bool = True, min_bytes: int | None = None,
+                  tile_mlp: int | None = None, pool: OffloadPool | None = None,
+                  preserve_rng_state: bool = False) -> OffloadPool:
+    """Checkpoint every decoder layer of `model` in place, keeping only its input, on the host.
+
+    offload=False: plain checkpointing (inputs stay on the device; the pool counts nothing).
+    min_bytes: smaller inputs stay where they are (default 1 MiB; sets it on a given pool).
+    tile_mlp: run each MLP in tiles of this many tokens. Returns the pool, for its counters.
+    Works before or after FSDP2's fully_shard on the same layers; undo with remove_offload.
+    """
+    if pool is None:
+        pool = OffloadPool(DEFAULT_MIN_BYTES if min_bytes is None else min_bytes)
+    elif min_bytes is not None:
+        pool.min_bytes = int(min_bytes)
+    for layer in _find_layers(model):
+        offload_layer(layer, pool if offload else None, tile_mlp=tile_mlp,
+                      preserve_rng_state=preserve_rng_state)
+    return pool
+
+
+def remove_offload(model: nn.Module) -> None:
+    """Undo apply_offload: the layers' (and MLPs') own forwards again."""
+    for layer in _find_layers(model):
+        wrapper = layer.__dict__.get("forward")
+        if isinstance(wrapper, _OffloadedForward):
+            _restore(layer, wrapper.own)
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None:
+            set_mlp_tiling(mlp, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiled MLP
+# ---------------------------------------------------------------------------------------------
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)  # bf16/fp16 grads accumulate in fp32
+
+
+class _TiledMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, tile):
+        ctx.tile = tile
+        ctx.save_for_backward(x, w_gate, w_up, w_down)
+        x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
+        out = x2.new_empty(x2.shape[0], w_down.shape[0])  # [N, hidden]
+        for s in range(0, x2.shape[0], tile):  # grad is off inside Function.forward
+            xt = x2[s:s + tile]
+            out[s:s + tile] = F.linear(F.silu(F.linear(xt, w_gate)) * F.linear(xt, w_up), w_down)
+        return out.view(*x.shape[:-1], w_down.shape[0])  # [B, T, hidden]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, w_gate, w_up, w_down = ctx.saved_tensors
+        need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
+        tile = ctx.tile
+        x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
+        go2 = grad_out.reshape(-1, grad_out.shape[-1])  # [N, hidden]
+        dx = torch.empty_like(x2) if need_x else None
+        acc = [torch.zeros(w.shape, dtype=_acc_dtype(w.dtype), device=w.device) if need else None
+               for w, need in ((w_gate, need_g), (w_up, need_u), (w_down, need_d))]
+        wg = w_gate.detach().requires_grad_(need_g)
+        wu = w_up.detach().requires_grad_(need_u)
+        for s in range(0, x2.shape[0], tile):
+            xt = x2[s:s + tile].detach().requires_grad_(need_x)
+            with torch.enable_grad():
+                h = F.silu(F.linear(xt, wg)) * F.linear(xt, wu)  # [n, intermediate]
+            go = go2[s:s + tile]
+            if need_d:  # down_proj by hand: its forward output is not needed here
+                acc[2].add_(go.t().mm(h.detach()))  # [hidden, intermediate]
+            inputs = [t for t, need in ((xt, need_x), (wg, need_g), (wu, need_u)) if need]
+            if inputs:
+                grads = list(torch.autograd.grad(h, inputs, go.mm(w_down)))  # dh: [n, intermediate]
+                if need_x:
+                    dx[s:s + tile] = grads.pop(0)
+                for i, need in ((0, need_g), (1, need_u)):
+                    if need:
+                        acc[i].add_(grads.pop(0))
+        grads_w = [None if a is None else a.to(w.dtype) for a, w in zip(acc, (w_gate, w_up, w_down))]
+        return (None if dx is None else dx.view_as(x)), *grads_w, None
+
+
+def tiled_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+              tile: int) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) over tiles of `tile` tokens; x [..., hidden] -> [..., hidden]."""
+    return _TiledMLP.apply(x, w_gate, w_up, w_down, int(tile))

@@ -1,0 +1,340 @@
+"""Checkpoint with offload (model/offload.py): the same numbers as no wrapper, bytes where they belong.
+
+On CPU the whole mechanism runs (host pool, copies, prefetch chain, counters); FSDP2 runs on 2
+gloo processes against one unsharded process. Tests marked cuda check what only a GPU shows:
+device memory after forward, pinned buffers reused from step 2.
+"""
+
+import copy
+import gc
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dist_utils import run_distributed
+from model.config import Qwen3Config
+from model.offload import OffloadPool, apply_offload, remove_offload, set_mlp_tiling, tiled_mlp
+from model.qwen3 import MLP, DecoderLayer, Qwen3, rope_cos_sin
+
+CFG = replace(Qwen3Config.preset("tiny"), num_hidden_layers=3)  # 3 layers: a prefetch chain
+B, T = 2, 48
+X_BYTES = B * T * CFG.hidden_size * 4  # one fp32 layer input
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny shapes: threads only add overhead (10x on a busy 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(seed: int = 0) -> Qwen3:
+    torch.manual_seed(seed)
+    m = Qwen3(CFG)
+    m.init_weights()
+    with torch.no_grad():  # norms away from 1, so a skipped norm would show
+        for n, p in m.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def _ids(seed: int, batch: int = B) -> torch.Tensor:
+    return torch.randint(0, CFG.vocab_size, (batch, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _loss(m, ids):
+    logits = F.linear(m(ids), m.lm_head.weight)  # [B, T, vocab]
+    return F.cross_entropy(logits.flatten(0, 1), ids.roll(-1, 1).flatten())
+
+
+def _step(m, ids):
+    m.zero_grad(set_to_none=True)
+    loss = _loss(m, ids)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def _same(a, b, exact):
+    if exact:
+        assert torch.equal(a, b), (a - b).abs().max()
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("tile", [None, 5])
+def test_wrapped_model_matches_unwrapped(offload, tile):
+    ref = _model()
+    ids = _ids(1)
+    loss0, grads0 = _step(ref, ids)
+    m = copy.deepcopy(ref)
+    keys = list(m.state_dict())
+    pool = apply_offload(m, offload=offload, min_bytes=0, tile_mlp=tile)
+    assert list(m.state_dict()) == keys  # nothing inserted into the module tree
+    L = CFG.num_hidden_layers
+    for step in range(3):
+        loss, grads = _step(m, ids)
+        _same(loss, loss0, exact=tile is None)  # recompute replays the same ops: bit-exact
+        for n in grads0:
+            _same(grads[n], grads0[n], exact=tile is None)
+        s = pool.reset_step()
+        moved = L * X_BYTES if offload else 0  # layers x tokens x hidden x 4 B, each way; no cos/sin
+        assert (s.d2h_bytes, s.h2d_bytes) == (moved, moved)
+        assert s.prefetched == (L - 1 if offload else 0)  # all but the first recompute prefetched
+        assert s.host_allocs == (L if offload and step == 0 else 0)
+        assert s.in_use_buffers == 0 and s.pool_bytes == moved
+
+
+def test_ten_steps_hold_no_more_buffers():
+    m = _model()
+    pool = apply_offload(m, min_bytes=0, tile_mlp=32)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    seen, live = [], []
+    for step in range(10):
+        opt.zero_grad(set_to_none=False)
+        _loss(m, _ids(step)).backward()
+        opt.step()
+        s = pool.reset_step()
+        seen.append((s.pool_bytes, s.pool_buffers, s.in_use_buffers, len(pool._pending)))
+        assert s.host_allocs == (CFG.num_hidden_layers if step == 0 else 0)
+        if step in (1, 9):
+            gc.collect()
+            live.append(sum(1 for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)))
+    assert set(seen) == {(CFG.num_hidden_layers * X_BYTES, CFG.num_hidden_layers, 0, 0)}, seen
+    assert live[0] == live[1]  # no tensor accumulates anywhere from step 2 to step 10
+
+
+def test_small_and_shared_inputs_stay_put():
+    ref, ids = _model(), _ids(2)
+    loss0, grads0 = _step(ref, ids)
+    m = copy.deepcopy(ref)
+    pool = apply_offload(m, min_bytes=X_BYTES + 1)  # x is below the threshold: nothing moves
+    loss, grads = _step(m, ids)
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0)
+    s = pool.reset_step()
+    assert s.d2h_bytes == s.h2d_bytes == s.pool_bytes == 0
+    pool.min_bytes = 0  # cos/sin need no grad: kept by reference even with no size limit
+    _step(m, ids)
+    assert pool.reset_step().d2h_bytes == CFG.num_hidden_layers * X_BYTES
+    with torch.no_grad():  # nothing is saved without grad
+        assert torch.equal(m(ids), ref(ids))
+    assert pool.reset_step().d2h_copies == 0
+
+
+def test_replaced_attention_runs_in_forward_and_recompute():
+    calls = []
+
+    def eager_attention(q, k, v):  # [B, T, heads, hd] -> [B, T, nh, hd], explicit softmax
+        calls.append(q.shape)
+        k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+        v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
+        s = torch.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+        return torch.einsum("bhqk,bkhd->bqhd", s.masked_fill(~mask, float("-inf")).softmax(-1), v)
+
+    ref, ids = _model(), _ids(3)
+    ref.set_attention(eager_attention)
+    loss0, grads0 = _step(ref, ids)
+    m = copy.deepcopy(ref)
+    apply_offload(m, min_bytes=0)
+    calls.clear()
+    loss, grads = _step(m, ids)
+    assert len(calls) == 2 * CFG.num_hidden_layers  # forward, then recompute in backward
+    assert torch.equal(loss, loss0) and all(torch.equal(grads[n], grads0[n]) for n in grads0)
+
+
+def test_retain_graph_remove_and_misuse():
+    m, ids = _model(), _ids(4)
+    pool = apply_offload(m, min_bytes=0, tile_mlp=16)
+    loss = _loss(m, ids)
+    loss.backward(retain_graph=True)  # the host copies survive a retained graph
+    g1 = {n: p.grad.clone() for n, p in m.named_parameters()}
+    loss.backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * g1[n])
+    s = pool.reset_step()
+    assert s.h2d_bytes == 2 * s.d2h_bytes > 0  # moved out once, fetched back for each backward
+    with pytest.raises(RuntimeError, match="already wrapped"):
+        apply_offload(m)
+    remove_offload(m)
+    assert all("forward" not in layer.__dict__ and "forward" not in layer.mlp.__dict__
+               for layer in m.model.layers)
+    with pytest.raises(TypeError, match="no `model.layers`"):
+        apply_offload(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="positive"):
+        set_mlp_tiling(m.model.layers[0].mlp, 0)
+    pool.close()
+    apply_offload(m, pool=pool, min_bytes=0)
+    with pytest.raises(RuntimeError, match="closed"):
+        _loss(m, ids)
+
+
+@pytest.mark.parametrize("tile", [1, 7, 96, 200])  # 96 tokens in all: ragged, exact, over
+def test_tiled_mlp_matches_mlp(tile):
+    torch.manual_seed(0)
+    mlp = MLP(CFG)
+    x = torch.randn(B, T, CFG.hidden_size, requires_grad=True)
+    dy = torch.randn(B, T, CFG.hidden_size)
+    y0 = mlp(x)
+    g0 = torch.autograd.grad(y0, [x, *mlp.parameters()], dy)
+    set_mlp_tiling(mlp, tile)
+    y = mlp(x)
+    g = torch.autograd.grad(y, [x, *mlp.parameters()], dy)
+    torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, g0):  # fp32 up to summation order (weight grads sum over the tiles)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+    # bf16: weight grads accumulate over tiles in fp32, so tiling costs no extra rounding drift
+    w = [p.detach().bfloat16().requires_grad_() for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)]
+    xb = x.detach().bfloat16()
+    yb = tiled_mlp(xb, *w, tile)
+    gb = torch.autograd.grad(yb, w, dy.bfloat16())
+    for a, b in zip(gb, g0[1:]):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.05 * b.abs().max().item())
+
+
+# ---- FSDP2 on 2 gloo processes ------------------------------------------------------------------
+FSDP_CASES = [("before", True, 5), ("after", True, None), ("after", False, 5)]  # fully_shard order, offload, tile
+
+
+def _fsdp_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for order, offload, tile in FSDP_CASES:
+        m = _model()
+        keys = list(m.state_dict())
+        if order == "after":
+            pool = apply_offload(m, offload=offload, min_bytes=0, tile_mlp=tile)
+        for layer in m.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        if order == "before":
+            pool = apply_offload(m, offload=offload, min_bytes=0, tile_mlp=tile)
+        steps = []
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            loss = _loss(m, _ids(10 + rank, batch=1))  # each rank its own row
+            loss.backward()
+            grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
+            steps.append((loss.item(), grads, pool.reset_step()))
+        out[(order, offload, tile)] = (steps, list(m.state_dict()) == keys)
+    return out
+
+
+@pytest.mark.slow
+def test_fsdp2_matches_one_process():
+    ref = _model()
+    losses = [_loss(ref, _ids(10 + r, batch=1)) for r in range(2)]
+    (sum(losses) / 2).backward()  # what FSDP2's averaged gradients must equal
+    res = run_distributed(_fsdp_worker, 2)
+    for case in FSDP_CASES:
+        _, offload, _ = case
+        for rank in range(2):
+            steps, keys_same = res[rank][case]
+            assert keys_same
+            for step, (loss, grads, s) in enumerate(steps):
+                assert loss == pytest.approx(losses[rank].item(), rel=1e-6)
+                for n, p in ref.named_parameters():
+                    torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=f"{case} {n}")
+                moved = CFG.num_hidden_layers * T * CFG.hidden_size * 4 if offload else 0
+                assert (s.d2h_bytes, s.h2d_bytes, s.pool_bytes) == (moved, moved, moved)
+                assert s.host_allocs == (CFG.num_hidden_layers if offload and step == 0 else 0)
+
+
+def test_bench_runs_on_cpu():
+    from bench.bench_offload import format_table, run_bench
+
+    r = run_bench(device="cpu", tiny=True, tokens=64, layers=2, steps=1, warmup=1, tile_mlp=16)
+    assert set(r["modes"]) == {"none", "ckpt", "offload", "save_on_cpu", "offload_tiled"}
+    norms = [m["x_grad_norm"] for m in r["modes"].values()]
+    assert max(norms) - min(norms) <= 1e-5 * max(norms)  # every mode computes the same gradient
+    assert r["modes"]["offload"]["d2h_mib"] * (1 << 20) == 2 * 64 * 64 * 4
+    assert r["modes"]["offload"]["host_allocs_after_warmup"] == 0
+    assert "offload_tiled" in format_table(r)
+
+
+# ---- CUDA only ---------------------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_inputs_leave_the_device_and_pinned_pool_is_reused():
+    dev = torch.device("cuda")
+    cfg, L, tokens = CFG, 4, 4096  # a layer input: 4096 x 64 x 4 B = 1 MiB
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(DecoderLayer(cfg) for _ in range(L)).to(dev)
+    ref_layers = copy.deepcopy(layers)
+    x = torch.randn(1, tokens, cfg.hidden_size, device=dev, requires_grad=True)
+    dy = torch.randn_like(x)
+    cos, sin = rope_cos_sin(cfg, torch.arange(tokens, device=dev)[None], torch.float32)
+    x_bytes = x.numel() * 4
+
+    def forward(stack):
+        h = x * 1.0  # a non-leaf layer-0 input, held by nothing but the layer
+        for layer in stack:
+            h = layer(h, cos, sin)
+        return h
+
+    def grads(stack):
+        return [x.grad.clone(), *(p.grad.clone() for p in stack.parameters())]
+
+    out = forward(ref_layers)
+    out.backward(dy)
+    ref = grads(ref_layers)
+
+    pool = apply_offload(layers, offload=False)  # plain checkpointing keeps the L inputs
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out = forward(layers)
+    kept_plain = torch.cuda.memory_allocated() - base
+    del out
+    remove_offload(layers)
+
+    pool = apply_offload(layers, min_bytes=0)
+    for step in range(4):
+        x.grad = None
+        layers.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        out = forward(layers)
+        kept = torch.cuda.memory_allocated() - base  # the output; no layer input
+        assert kept < 2 * x_bytes, (kept, x_bytes)
+        assert kept_plain - kept >= L * x_bytes - 4096
+        out.backward(dy)
+        del out
+        torch.cuda.synchronize()
+        for a, b in zip(grads(layers), ref):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        s = pool.reset_step()
+        assert (s.d2h_bytes, s.h2d_bytes, s.prefetched) == (L * x_bytes, L * x_bytes, L - 1)
+        assert s.host_allocs == (L if step == 0 else 0)  # pinned buffers only in step 1
+        assert s.pool_bytes == L * x_bytes and s.in_use_buffers == 0
+        assert all(buf.is_pinned() for free in pool._free.values() for buf, _ in free)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= base + 4096  # nothing left behind on the device
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_bf16_tiled_offload_matches_plain_checkpoint():
+    m = _model().cuda().bfloat16()
+    ids = _ids(5).cuda()
+    ref = copy.deepcopy(m)
+    apply_offload(ref, offload=False)
+    pool = apply_offload(m, min_bytes=0, tile_mlp=32)
+    for _ in range(2):
+        loss0, g0 = _step(ref, ids)
+        loss, g = _step(m, ids)
+        assert abs(loss.item() - loss0.item()) < 2e-2
+        for n in g0:
+            torch.testing.assert_close(g[n].float(), g0[n].float(), rtol=0.05, atol=0.05 * g0[n].abs().max().item())
+    assert pool.reset_step().host_allocs == 0
