@@ -130,8 +130,11 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> L
                     rows = _owned_rows(t)
                     sl = f.get_slice(sources[name])
                     data = sl[:] if rows is None else sl[rows[0]:rows[1]]
+                    if data.shape != local.shape:  # the rows we computed must be FSDP2's shard
+                        raise RuntimeError(f"{name}: read rows {rows} of {tuple(t.shape)} -> "
+                                           f"{tuple(data.shape)}, but this rank's shard is {tuple(local.shape)}")
                     stats.bytes_read += data.numel() * data.element_size()
-                    local.copy_(data.to(local.dtype))  # bf16 file -> fp32 shard, on CPU or GPU
+                    local.copy_(data)  # converts in place: bf16 file -> fp32 shard, on CPU or GPU
                     stats.tensors += 1
                     bar.update(1)
     bar.close()
@@ -145,10 +148,12 @@ def save_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype = torch.
                      max_shard_bytes: int = 5 * 10**9, tokenizer_dir: str | None = None,
                      progress: bool = True) -> list[str]:
     """Write `model` in the Hugging Face layout. Collective when the model is sharded: every
-    rank must call it; rank 0 writes. Returns the files written (on rank 0)."""
+    rank must call it, rank 0 writes, and all return once the files are there. Returns the
+    files written (on rank 0)."""
     rank = dist.get_rank() if dist is not None and dist.is_initialized() else 0
     config = getattr(model, "config", None)
-    params = model.state_dict(keep_vars=True)
+    params = model.state_dict(keep_vars=True)  # FSDP2 switches to the sharded params here
+    sharded = any(isinstance(t, DTensor) for t in params.values())
     if getattr(config, "tie_word_embeddings", False):
         params.pop("lm_head.weight", None)  # transformers re-ties it from the embedding
 
@@ -175,8 +180,8 @@ def save_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype = torch.
             for name in shard:
                 t = params[name]
                 full = t.full_tensor() if isinstance(t, DTensor) else t  # collective for DTensors
-                if rank == 0:
-                    tensors[name] = full.detach().to(device="cpu", dtype=dtype).contiguous()
+                if rank == 0:  # cast where the tensor is (GPU), then copy the smaller result
+                    tensors[name] = full.detach().to(dtype).to("cpu").contiguous()
                     total += tensors[name].numel() * tensors[name].element_size()
                 del full
                 bar.update(1)
@@ -199,6 +204,8 @@ def save_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype = torch.
             for f in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(tokenizer_dir, f)):
                     shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(path, f))
+    if sharded:  # everyone returns once the files exist, so any rank may read them next
+        dist.barrier()
     return written
 
 

@@ -1,0 +1,185 @@
+"""Device mesh and FSDP2 sharding for Qwen3: build on meta, shard, materialise, load.
+
+    mesh = build_mesh(world_size, sp=8, device_type="cuda")             # dims ("dp", "sp")
+    model, stats = build_sharded_model(config, mesh, device="cuda", model_dir="/models/Qwen3-8B")
+
+The mesh has two dimensions: "dp" (different rows of data) and "sp" (one row's tokens split by
+sequence parallelism, inside one node). Parameters are sharded over both at once: FSDP2 gets the
+flattened "dp_sp" mesh, so every rank holds 1/world of every parameter.
+
+Units of sharding (each one all-gathered when used, and its gradient reduce-scattered):
+  * each decoder layer; all but the last reshard after forward (they are needed again only in
+    backward); the last one does not, because backward starts with it right away;
+  * untied: the embedding (resharded after forward: it is used once at the start) and
+    [final norm + lm_head] as one unit, NOT resharded after forward: the loss reads
+    `model.lm_head.weight` after `model(...)` returns (the lm_head module itself never runs), so
+    it must still be gathered then, once per step rather than once per loss chunk;
+  * tied: the one shared embedding/lm_head Parameter can belong to only one unit, and it is
+    needed first (embedding) and last (loss, then the start of backward), so it stays in the
+    root unit with the final norm, gathered for the whole step;
+  * the root, never resharded after forward (backward begins as soon as forward ends).
+
+Gradients are SUMMED over all dp x sp ranks, never averaged: the loss on each rank is
+(sum of its token losses) / (global count of labels), so the sum of the per-rank gradients is
+the gradient of the global mean loss, exactly what one process holding every row would get.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from model.config import Qwen3Config
+from model.qwen3 import Qwen3
+from model.weights import LoadStats, load_safetensors
+
+MESH_DIMS = ("dp", "sp")
+SHARD_DIM = "dp_sp"  # the flattened dimension FSDP2 shards over
+
+
+def local_world_size(device_type: str) -> int:
+    """Processes per node: torchrun's LOCAL_WORLD_SIZE, else the visible GPUs, else the world."""
+    if os.environ.get("LOCAL_WORLD_SIZE"):
+        return int(os.environ["LOCAL_WORLD_SIZE"])
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return dist.get_world_size()
+
+
+def build_mesh(world_size: int, sp: int = 1, device_type: str = "cuda") -> DeviceMesh:
+    """A ("dp", "sp") mesh of shape (world_size // sp, sp); sp ranks are consecutive, so they
+    share a node. Collective: every rank calls it, with the same arguments."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("build_mesh needs torch.distributed initialised: launch with torchrun "
+                           "(bash torchrun.sh) or call torch.distributed.init_process_group() first")
+    if world_size != dist.get_world_size():
+        raise ValueError(f"build_mesh(world_size={world_size}) but the process group has "
+                         f"{dist.get_world_size()} ranks; pass dist.get_world_size()")
+    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+    if sp < 1 or world_size % sp:
+        raise ValueError(f"sp={sp} must divide the world size {world_size}: choose sp in {divisors}")
+    per_node = local_world_size(device_type)
+    if sp > per_node or per_node % sp:
+        raise ValueError(
+            f"sp={sp} does not fit in one node of {per_node} processes: sequence parallelism runs "
+            f"two all-to-alls per layer and must stay on the intra-node links; use an sp that divides "
+            f"{per_node} and let dp span the nodes")
+    mesh = init_device_mesh(device_type, (world_size // sp, sp), mesh_dim_names=MESH_DIMS)
+    shard_mesh(mesh)  # create the flattened group now, on every rank together
+    return mesh
+
+
+def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh FSDP2 shards over: all dp x sp ranks of a ("dp", "sp") mesh.
+
+    A 2-D mesh handed to fully_shard would mean HSDP (replicate over dim 0, shard over dim 1), so
+    the two dims are flattened. DeviceMesh._flatten is private but present and idempotent from
+    torch 2.5 to 2.13 (torchtitan relies on it); unlike a second, separate 1-D mesh it keeps the
+    flattened mesh tied to its parent, and over the whole world it reuses the default group
+    instead of creating another communicator. Slicing it back out with mesh["dp_sp"] is
+    deprecated from 2.11, hence calling _flatten again, which returns the cached mesh."""
+    if mesh.ndim == 1:
+        return mesh
+    if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
+        raise ValueError(f"expected a 1-D mesh or one with dims {MESH_DIMS} (from build_mesh), "
+                         f"got dims {mesh.mesh_dim_names}")
+    return mesh._flatten(SHARD_DIM)
+
+
+def mixed_precision(device_type: str, param_dtype: torch.dtype | None = None,
+                    reduce_dtype: torch.dtype | None = None) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction on GPU; plain fp32 (no casts) elsewhere."""
+    if param_dtype is None and device_type == "cuda":
+        param_dtype = torch.bfloat16
+    if param_dtype == torch.float32:
+        param_dtype = None  # the shards are fp32 already: no cast at all
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or torch.float32)
+
+
+def apply_fsdp(model: Qwen3, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = None, gradient_divide_factor: float = 1.0,
+               reshard_layers: bool = True) -> Qwen3:
+    """fully_shard the layers, embedding, [norm + lm_head] and root of `model` (see the module
+    docstring for the units and why each one reshards or not), in place.
+
+    param_dtype: compute dtype of the gathered weights; None = bf16 on GPU, fp32 on CPU.
+    reduce_dtype: dtype gradients are reduced in; None = fp32.
+    gradient_divide_factor: each parameter's gradient is SUM over all dp x sp ranks of the local
+        gradients, divided by this. 1.0 (the default) is right when every rank divides its loss
+        by the global token count; pass the world size for per-rank mean losses. Set explicitly,
+        with sum-only collectives, because the backends' defaults differ (AVG, PREMUL_SUM).
+    reshard_layers: False keeps every layer gathered from forward to backward (faster, much more
+        memory); the last layer is never resharded either way.
+    """
+    if not isinstance(model, Qwen3):
+        raise TypeError(f"apply_fsdp expects model.qwen3.Qwen3, got {type(model).__name__}")
+    if isinstance(model, FSDPModule):
+        raise ValueError("apply_fsdp: this model is already sharded (fully_shard was applied before)")
+    fsdp_mesh = shard_mesh(mesh)
+    mp = mixed_precision(fsdp_mesh.device_type, param_dtype, reduce_dtype)
+    shard = dict(mesh=fsdp_mesh, mp_policy=mp)
+
+    layers = list(model.model.layers)
+    for i, layer in enumerate(layers):
+        fully_shard(layer, reshard_after_forward=reshard_layers and i < len(layers) - 1, **shard)
+    if not model.config.tie_word_embeddings:
+        fully_shard(model.model.embed_tokens, reshard_after_forward=True, **shard)
+        # lm_head never runs forward (the loss reads its weight); torch 2.13 completes the unit
+        # at the end of the root's forward, earlier versions finish it in backward (and warn).
+        fully_shard([model.model.norm, model.lm_head], reshard_after_forward=False, **shard)
+        _restart_head_unit_each_forward(model)
+    fully_shard(model, reshard_after_forward=False, **shard)  # tied: embedding/lm_head + norm
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):  # per unit; not inherited by sub-units
+            m.set_force_sum_reduction_for_comms(True)  # ReduceOp.SUM on every backend
+            m.set_gradient_divide_factor(float(gradient_divide_factor))  # then / factor (1: none)
+    return model
+
+
+def _restart_head_unit_each_forward(model: Qwen3) -> None:
+    """torch 2.11/2.12 only: forget the [norm, lm_head] unit's unfinished forward pass at each
+    new forward. Those versions start a grouped unit's forward only when the previous one saw
+    every module run, and lm_head never does: after a forward with no backward (evaluation) and
+    a reshard (state_dict(), save_safetensors) the norm would then run on its sharded weight.
+    torch 2.13 finishes such units itself (FSDPState._force_complete_incomplete_states)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # private, version-checked
+
+    if hasattr(FSDPState, "_force_complete_incomplete_states"):
+        return
+    state = model.lm_head._get_fsdp_state()
+    pending = getattr(state, "_modules_to_run_forward", None)
+    if isinstance(pending, set):
+        model.register_forward_pre_hook(lambda module, args: pending.clear())
+
+
+def build_sharded_model(config: Qwen3Config, mesh: DeviceMesh, *, device: str | torch.device,
+                        model_dir: str | None = None, dtype: torch.dtype = torch.float32,
+                        param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                        gradient_divide_factor: float = 1.0, progress: bool = True,
+                        ) -> tuple[Qwen3, LoadStats | None]:
+    """Meta build -> shard -> materialise on `device` -> load `model_dir` (or init_weights()).
+
+    No rank ever holds a full copy: parameters exist only as shapes until they are sharded, and
+    each rank then reads only its rows of the checkpoint. `dtype` is that of the shards (the
+    master weights the optimizer updates). Returns (model, load stats; None when initialised).
+    Initialising from scratch on GPU needs the same torch.manual_seed on every rank.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != mesh.device_type:
+        raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
+    with torch.device("meta"):
+        model = Qwen3(config).to(dtype)
+    apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+               gradient_divide_factor=gradient_divide_factor)
+    model.to_empty(device=device)  # allocates this rank's shards only, uninitialised
+    if model_dir is None:
+        model.init_weights()
+        return model, None
+    return model, load_safetensors(model, model_dir, progress=progress and dist.get_rank() == 0)
