@@ -59,7 +59,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -132,10 +132,8 @@ class OffloadPool:
     # ---- public ------------------------------------------------------------------------------
     def stats(self) -> OffloadStats:
         """This step's counters and the pool's current size."""
-        s = OffloadStats(**{**self._step.as_dict()})
-        s.pool_bytes, s.pinned_bytes = self._pool_bytes, self._pinned_bytes
-        s.pool_buffers, s.in_use_buffers = self._pool_buffers, self._in_use
-        return s
+        return replace(self._step, pool_bytes=self._pool_bytes, pinned_bytes=self._pinned_bytes,
+                       pool_buffers=self._pool_buffers, in_use_buffers=self._in_use)
 
     def reset_step(self) -> OffloadStats:
         """This step's counters (as stats()), then start counting the next step."""
@@ -309,6 +307,8 @@ def offload_layer(layer: nn.Module, pool: OffloadPool | None, *, tile_mlp: int |
         raise RuntimeError(f"{type(layer).__name__} is already wrapped by offload_layer; "
                            f"call remove_offload first")
     if tile_mlp is not None:
+        if not isinstance(getattr(layer, "mlp", None), nn.Module):
+            raise TypeError(f"tile_mlp needs a layer with an `mlp` submodule; {type(layer).__name__} has none")
         set_mlp_tiling(layer.mlp, tile_mlp)
     layer.forward = _OffloadedForward(layer, pool, preserve_rng_state)
 
@@ -391,14 +391,20 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, tile):
-        ctx.tile = tile
+        dev = x.device.type  # backward replays the tiles under the same autocast state
+        ctx.tile, ctx.autocast = tile, (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
         ctx.save_for_backward(x, w_gate, w_up, w_down)
         x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
-        out = x2.new_empty(x2.shape[0], w_down.shape[0])  # [N, hidden]
+        out = None
         for s in range(0, x2.shape[0], tile):  # grad is off inside Function.forward
             xt = x2[s:s + tile]
-            out[s:s + tile] = F.linear(F.silu(F.linear(xt, w_gate)) * F.linear(xt, w_up), w_down)
-        return out.view(*x.shape[:-1], w_down.shape[0])  # [B, T, hidden]
+            y = F.linear(F.silu(F.linear(xt, w_gate)) * F.linear(xt, w_up), w_down)  # [n, hidden]
+            if out is None:  # y's dtype, which autocast may have chosen
+                out = y.new_empty(x2.shape[0], y.shape[1])  # [N, hidden]
+            out[s:s + tile] = y
+        if out is None:  # no tokens
+            out = x2.new_empty(0, w_down.shape[0])
+        return out.view(*x.shape[:-1], out.shape[1])  # [B, T, hidden]
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -412,16 +418,18 @@ class _TiledMLP(torch.autograd.Function):
                for w, need in ((w_gate, need_g), (w_up, need_u), (w_down, need_d))]
         wg = w_gate.detach().requires_grad_(need_g)
         wu = w_up.detach().requires_grad_(need_u)
+        dev, dtype, enabled = ctx.autocast
         for s in range(0, x2.shape[0], tile):
             xt = x2[s:s + tile].detach().requires_grad_(need_x)
-            with torch.enable_grad():
+            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
                 h = F.silu(F.linear(xt, wg)) * F.linear(xt, wu)  # [n, intermediate]
-            go = go2[s:s + tile]
-            if need_d:  # down_proj by hand: its forward output is not needed here
-                acc[2].add_(go.t().mm(h.detach()))  # [hidden, intermediate]
+                go = go2[s:s + tile]
+                dh = go.mm(w_down)  # [n, intermediate]; down_proj by hand: no need for its output
+                if need_d:
+                    acc[2].add_(go.t().mm(h.detach()))  # [hidden, intermediate]
             inputs = [t for t, need in ((xt, need_x), (wg, need_g), (wu, need_u)) if need]
             if inputs:
-                grads = list(torch.autograd.grad(h, inputs, go.mm(w_down)))  # dh: [n, intermediate]
+                grads = list(torch.autograd.grad(h, inputs, dh))
                 if need_x:
                     dx[s:s + tile] = grads.pop(0)
                 for i, need in ((0, need_g), (1, need_u)):
