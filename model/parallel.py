@@ -52,7 +52,8 @@ def local_world_size(device_type: str) -> int:
 
 def build_mesh(world_size: int, sp: int = 1, device_type: str = "cuda") -> DeviceMesh:
     """A ("dp", "sp") mesh of shape (world_size // sp, sp); sp ranks are consecutive, so they
-    share a node. Collective: every rank calls it, with the same arguments."""
+    share a node. Collective: every rank calls it, with the same arguments (on GPU, after
+    torch.cuda.set_device(local_rank)). The sp group for attention is mesh["sp"].get_group()."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("build_mesh needs torch.distributed initialised: launch with torchrun "
                            "(bash torchrun.sh) or call torch.distributed.init_process_group() first")
