@@ -47,11 +47,23 @@ CUDA (copies on side streams, memory only from the compute stream's allocator po
 On CPU the same code runs with host buffers from a plain pool and synchronous copies, so it is
 tested without a GPU.
 
+Device memory in backward: the recomputed layer's activations, its input, and the next input
+being prefetched (one layer input more than plain checkpointing holds at that moment, and none of
+the other layers' inputs).
+
 Tiled MLP: the SwiGLU MLP as an autograd.Function over tiles of `tile` tokens. Forward runs
-tile by tile under no_grad and saves only its input (and weights); backward recomputes each tile
-with grad and accumulates input and weight gradients (weights in fp32). Intermediates are
-[tile, intermediate] instead of [tokens, intermediate]. Weights are Function inputs, so autograd
-delivers their grads to whatever parameters the MLP holds (FSDP2's unsharded ones included).
+tile by tile under no_grad and saves only its input (and weights); backward replays each tile
+with grad and accumulates input and weight gradients (weights in fp32, so bf16 rounding does not
+pile up over tiles). Intermediates are [tile, intermediate] instead of [tokens, intermediate]
+(4 x 3.2 GB -> 4 x 0.4 GB at 131,072 tokens and tile 16,384). The price: the replay computes the
+gate and up projections once more, 14 MLP GEMMs instead of 12 under checkpointing (under 1% of
+a 1M-token step, where attention dominates). Weights are Function inputs, so autograd delivers
+their grads to whatever parameters the MLP holds (FSDP2's unsharded ones included); autocast, if
+on, is replayed in backward as it was in forward.
+
+Not covered: torch.compile of wrapped layers, CUDA graphs, layers that draw random numbers
+(pass preserve_rng_state=True). With a frozen embedding, layer 0's input needs no grad and so
+stays on the device.
 """
 
 from __future__ import annotations
@@ -106,7 +118,7 @@ class _HostCopy:
         # The layer's backward is done (or its graph was dropped): the buffer goes back.
         try:
             if self.ready is not None and self.device.type == "cuda":
-                out, ev, stream = self.ready
+                _, ev, stream = self.ready
                 stream.wait_event(ev)  # an unused prefetch: its memory is reused only after the copy
             self.ready = None
             self.pool._give(self.key, self.buf, self.event)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dist_utils import run_distributed
 from model.config import Qwen3Config
-from model.offload import OffloadPool, apply_offload, remove_offload, set_mlp_tiling, tiled_mlp
+from model.offload import apply_offload, remove_offload, set_mlp_tiling, tiled_mlp
 from model.qwen3 import MLP, DecoderLayer, Qwen3, rope_cos_sin
 
 CFG = replace(Qwen3Config.preset("tiny"), num_hidden_layers=3)  # 3 layers: a prefetch chain
