@@ -87,6 +87,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------------------------
+class _RMSNormFn(torch.autograd.Function):
+    """weight * (x / rms(x)) with transformers' arithmetic (normalise in fp32, cast back to x's
+    dtype, then scale), saving for backward only x and the fp32 1/rms per row.
+
+    Left to autograd, the same expression saves an fp32 copy of x plus the cast result: 6 bytes
+    per bf16 element instead of 2. At 131,072 tokens per GPU that is about 8 GB per recomputed
+    Qwen3-8B layer, the difference between 2.9M and 4.7M tokens fitting on 8 x 80 GB.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1] fp32
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        n = x.float() * rstd  # the normalised input, recomputed
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = (dy * n.to(x.dtype)).flatten(0, -2).sum(0, dtype=torch.float32).to(weight.dtype)
+        g = (dy * weight).to(x.dtype).float()  # what autograd passes back through the cast
+        # d/dx of x * rstd(x):  rstd * (g - n * mean(g * n))
+        dx = rstd * (g - n * (g * n).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -94,10 +123,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, cast back, then scale: the order transformers uses.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

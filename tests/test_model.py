@@ -193,3 +193,32 @@ def test_from_hf_reads_both_rope_layouts():
     assert Qwen3Config.from_hf(new) == cfg
     hf = _hf_cfg(cfg).to_dict()  # whatever layout the installed transformers writes
     assert Qwen3Config.from_hf(hf) == cfg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_matches_autograd_and_saves_only_input_and_rstd(dtype):
+    """Our RMSNorm's hand-written backward equals autograd through transformers' expression,
+    while keeping just x and one fp32 number per row for backward."""
+    from model.qwen3 import RMSNorm
+    ref = modeling_qwen3.Qwen3RMSNorm(64, eps=1e-6).to(dtype)
+    ours = RMSNorm(64, 1e-6).to(dtype)
+    with torch.no_grad():
+        ref.weight.copy_(1 + 0.1 * torch.randn(64))
+        ours.weight.copy_(ref.weight)
+    x = torch.randn(4, 9, 64, dtype=dtype)
+    dy = torch.randn(4, 9, 64, dtype=dtype)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        xo = x.clone().requires_grad_()
+        yo = ours(xo)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    assert torch.equal(yo, yr)
+    go = torch.autograd.grad(yo, [xo, ours.weight], dy)
+    gr = torch.autograd.grad(yr, [xr, ref.weight], dy)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the final cast
+    for a, b in zip(go, gr):
+        assert (a.float() - b.float()).abs().max().item() <= tol * b.float().abs().max().item()
+    n = x.numel()
+    assert sum(saved) == n * x.element_size() + 64 * ours.weight.element_size() + (n // 64) * 4
