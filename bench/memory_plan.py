@@ -17,8 +17,11 @@ Memory is counted per GPU for the rank holding the largest shards (FSDP2 pads ev
 first dimension to a multiple of the world size). The peak is what the whole step holds
 (parameter, gradient and optimizer shards; saved inputs left on the GPU) plus the larger of two
 moments: one decoder layer's backward, or the loss. What a layer saves for backward follows
-model/qwen3.py, whose RMSNorm keeps an fp32 copy of its input (`fused_norm=True` models a norm
-that keeps only its bf16 input and rstd). FLOPs count matrix products only (step_flops).
+model/qwen3.py, whose RMSNorm is the fused kind (`fused_norm=True`, the default): an
+autograd.Function that saves only its bf16 input, its weight and the fp32 rstd per row.
+`fused_norm=False` models transformers' RMSNorm, or any norm left to autograd, which also saves
+an fp32 copy of its input and the normalised bf16 tensor. FLOPs count matrix products only
+(step_flops).
 Every size is arithmetic on the config: nothing is allocated and torch is not imported.
 GB here means 1e9 bytes, GiB 2**30.
 """
@@ -198,26 +201,28 @@ def check_layout(config: Qwen3Config, seq_len: int, gpus: int, sp: int, dp: int 
 
 
 def _norm_saved(rows: int, dim: int, b: int, fused: bool, input_elsewhere: bool) -> int:
-    """Bytes an RMSNorm over [rows, dim] saves for backward.
+    """Bytes an RMSNorm over [rows, dim] saves for backward, leaving out its weight (a parameter).
 
-    Unfused (model/qwen3.py and transformers: normalise in fp32, cast, scale): an fp32 copy of
-    the input, the normalised bf16 tensor and the fp32 rstd. Fused (F.rms_norm's CUDA kernel, or
-    an autograd.Function): the input itself, unless another op keeps it anyway, and rstd.
+    Fused (model/qwen3.py's _RMSNormFn, or F.rms_norm's CUDA kernel): the input itself, unless
+    another op keeps it anyway, and the fp32 rstd. Unfused (transformers, or the same arithmetic
+    left to autograd: normalise in fp32, cast, scale): an fp32 copy of the input, the normalised
+    bf16 tensor and the fp32 rstd.
     """
     if fused:
         return (0 if input_elsewhere else rows * dim * b) + rows * 4
     return rows * dim * (4 + b) + rows * 4
 
 
-def layer_saved_bytes(config: Qwen3Config, tokens: int, sp: int, *, fused_norm: bool = False,
+def layer_saved_bytes(config: Qwen3Config, tokens: int, sp: int, *, fused_norm: bool = True,
                       tiled_mlp: bool = True, compute_bytes: int = 2) -> dict[str, int]:
     """What autograd keeps for one decoder layer's backward once it has been recomputed.
 
     Per GPU at `tokens` local tokens, leaving out the layer input (held by the checkpoint), the
-    parameters and the shared RoPE tables. Checked against model/qwen3.py's DecoderLayer with
-    model/ulysses.py's attention in tests/test_memory_plan.py. RoPE saves only cos/sin; SDPA
-    (flash, with enable_gqa: kv heads are not repeated to the query heads) saves q, k, v, out
-    and an fp32 logsumexp; with sp = 1 o_proj's input is a view of SDPA's out, with sp > 1 it is
+    parameters (the norms' weights included) and the shared RoPE tables. fused_norm=True is
+    model/qwen3.py's RMSNorm; False, transformers' (an fp32 copy of each norm's input on top).
+    Checked against model/qwen3.py's DecoderLayer with model/ulysses.py's attention in
+    tests/test_memory_plan.py. RoPE saves only cos/sin; SDPA (flash, with enable_gqa: kv heads
+    are not repeated to the query heads) saves q, k, v, out and an fp32 logsumexp; with sp = 1 o_proj's input is a view of SDPA's out, with sp > 1 it is
     the all-to-all's result; a tiled MLP saves only its input and recomputes its tiles itself.
     """
     c, b = config, compute_bytes
@@ -243,7 +248,7 @@ def layer_saved_bytes(config: Qwen3Config, tokens: int, sp: int, *, fused_norm: 
 
 
 def layer_backward_bytes(config: Qwen3Config, tokens: int, sp: int, *, offload: bool = True,
-                         tiled_mlp: bool = True, mlp_tile: int = 8192, fused_norm: bool = False,
+                         tiled_mlp: bool = True, mlp_tile: int = 8192, fused_norm: bool = True,
                          compute_bytes: int = 2) -> tuple[int, str, dict[str, int]]:
     """Activation bytes of one decoder layer's backward at `tokens` local tokens.
 
@@ -295,7 +300,7 @@ def layer_backward_bytes(config: Qwen3Config, tokens: int, sp: int, *, offload: 
     return sum(items.values()), name, items
 
 
-def loss_bytes(config: Qwen3Config, tokens: int, *, loss_chunk: int = 256, fused_norm: bool = False,
+def loss_bytes(config: Qwen3Config, tokens: int, *, loss_chunk: int = 256, fused_norm: bool = True,
                compute_bytes: int = 2) -> dict[str, int]:
     """The chunked loss's tensors (loss/chunked_ce.py) at its largest, with the final norm's.
 
@@ -337,7 +342,7 @@ def step_flops(config: Qwen3Config, seq_len: int, *, attn_bwd_factor: float = 2.
 
 def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | None = None,
          gpus_per_node: int | None = None, offload: bool = True, tiled_mlp: bool = True,
-         mlp_tile: int = 8192, loss_chunk: int = 256, fused_norm: bool = False,
+         mlp_tile: int = 8192, loss_chunk: int = 256, fused_norm: bool = True,
          compute_bytes: int = 2, master_bytes: int = 4,
          gpu_mem_gb: float = 80.0, reserve_gb: float = 2.0, host_mem_gb: float | None = None,
          host_overhead_gb: float = 4.0, tflops: float = 989.0, mfu: float = 1.0,
@@ -480,7 +485,8 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
         f"Memory plan: {p.model} ({_count(c.num_params())} parameters), {p.seq_len:,} tokens, "
         f"{p.gpus} GPU{'s' * (p.gpus > 1)} (dp={p.dp} x sp={p.sp}), {p.tokens_per_gpu:,} tokens per GPU",
         f"offload {'on' if p.offload else 'off'}, tiled MLP {tile}, loss chunk {p.loss_chunk}, "
-        f"{'fused' if p.fused_norm else 'fp32-path'} RMSNorm, {8 * p.compute_bytes}-bit compute, "
+        f"{'fused' if p.fused_norm else 'unfused (fp32 input copy saved)'} RMSNorm, "
+        f"{8 * p.compute_bytes}-bit compute, "
         f"{8 * p.master_bytes}-bit master weights and AdamW",
         "",
         f"{'per GPU (GB = 1e9 B)':48}{'GB':>9}",
@@ -539,6 +545,12 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
                        f"per node, {q.step_time_s:.0f} s per step at MFU {p.mfu:g}")
         else:
             out.append(f"no sequence of {1024 * p.sp:,} tokens or more fits {p.gpu_mem_gb:g} GB per GPU")
+        # The same plan with the other kind of RMSNorm, for comparison.
+        m = max_seq_len(c, p.gpus, p.sp, **{**_options(p), "fused_norm": not p.fused_norm})
+        out.append(f"  [{'--unfused-norm' if p.fused_norm else 'fused RMSNorm (default)'}: "
+                   f"{m:,} tokens ({m / 2**20:.2f} Mi)"
+                   + (", an autograd-only RMSNorm saving an fp32 copy of its input]" if p.fused_norm
+                      else ", model/qwen3.py's RMSNorm]"))
     r = PUBLIC_RECIPE
     # The recipe's own step (Qwen3-8B, 1,048,576 tokens) against H100's 989 TFLOP/s, by our count.
     recipe_flops = step_flops(PRESETS["qwen3-8b"], r["seq_len"])["full_recompute"]
@@ -580,8 +592,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tiled-mlp", dest="tiled_mlp", action="store_false")
     ap.add_argument("--mlp-tile", type=int, default=8192, help="rows per MLP tile")
     ap.add_argument("--loss-chunk", type=int, default=256)
-    ap.add_argument("--fused-norm", action="store_true",
-                    help="RMSNorm saves only its bf16 input and rstd (default: model/qwen3.py's fp32 path)")
+    ap.add_argument("--unfused-norm", dest="fused_norm", action="store_false",
+                    help="model an RMSNorm left to autograd (transformers'), which also saves an fp32 "
+                    "copy of its input; without it, fused_norm=%(default)s: model/qwen3.py's norm, "
+                    "which saves only its bf16 input and the fp32 rstd")
     ap.add_argument("--gpu-mem-gb", type=float, default=80.0)
     ap.add_argument("--reserve-gb", type=float, default=2.0,
                     help="kept free: CUDA context, NCCL buffers, allocator slack")

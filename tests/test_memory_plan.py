@@ -173,10 +173,14 @@ def test_state_bytes_equal_fsdp2_shards(fake_world, name):
 
 @pytest.mark.parametrize("key", ["tiny/1", "tiny/2", "tiny/4", "tied/1", "tied/2", "tied/4"])
 def test_layer_saved_bytes_equal_autograd(fake_world, key):
-    """What model/qwen3.py's DecoderLayer (Ulysses attention for sp > 1) saves, byte for byte."""
+    """What model/qwen3.py's DecoderLayer (Ulysses attention for sp > 1) saves, byte for byte.
+
+    Its RMSNorm is the fused kind, the planner's default; the unfused one would save more."""
     name, sp = key.split("/")
     want = layer_saved_bytes(CONFIGS[name], 96, int(sp), tiled_mlp=False)
     assert sum(want.values()) == fake_world["saved"][key]
+    unfused = layer_saved_bytes(CONFIGS[name], 96, int(sp), tiled_mlp=False, fused_norm=False)
+    assert sum(unfused.values()) > fake_world["saved"][key]
 
 
 # ---- (b) DESIGN.md's memory figures ------------------------------------------------------------------
@@ -220,17 +224,19 @@ def test_flops_match_design():
 # ---- (d) the longest sequence ------------------------------------------------------------------------
 def test_max_seq_len_qwen3_8b():
     kw = dict(gpus=8, sp=8, gpu_mem_gb=80)
-    n = max_seq_len(QWEN3_8B, fused_norm=True, **kw)
+    n = max_seq_len(QWEN3_8B, **kw)  # model/qwen3.py's fused RMSNorm, the default
+    assert n == max_seq_len(QWEN3_8B, fused_norm=True, **kw)
     assert n >= 4 * 2**20 and n % (1024 * 8) == 0
-    assert plan(QWEN3_8B, n, fused_norm=True, **kw).fits
-    assert not plan(QWEN3_8B, n + 1024 * 8, fused_norm=True, **kw).fits
-    # model/qwen3.py's RMSNorm (fp32 copy of every norm input saved) costs about a third of that
-    assert 2 * 2**20 < max_seq_len(QWEN3_8B, **kw) < n
+    assert plan(QWEN3_8B, n, **kw).fits
+    assert not plan(QWEN3_8B, n + 1024 * 8, **kw).fits
+    # An autograd-only RMSNorm (transformers': fp32 copy of every norm input saved) costs about a
+    # third of that
+    assert 2 * 2**20 < max_seq_len(QWEN3_8B, fused_norm=False, **kw) < n
     # Host memory binds too: torch's pinned allocator rounds each layer's block up to a power of
     # two, so a 2 TB node (DGX H100) holds exactly 4M tokens, and 1 TB holds less.
-    assert max_seq_len(QWEN3_8B, fused_norm=True, host_mem_gb=2048, **kw) == 4 * 2**20
-    capped = max_seq_len(QWEN3_8B, fused_norm=True, host_mem_gb=1000, **kw)
-    assert capped < 4 * 2**20 and plan(QWEN3_8B, capped, fused_norm=True, host_mem_gb=1000, **kw).fits_host
+    assert max_seq_len(QWEN3_8B, host_mem_gb=2048, **kw) == 4 * 2**20
+    capped = max_seq_len(QWEN3_8B, host_mem_gb=1000, **kw)
+    assert capped < 4 * 2**20 and plan(QWEN3_8B, capped, host_mem_gb=1000, **kw).fits_host
     three = plan(QWEN3_8B, 3 * 2**20, **kw)  # 3.2 GB of layer input per GPU -> a 4 GiB pinned block
     assert three.saved_inputs_host_per_gpu == 36 * 4 * GiB
     assert three.offload_bytes_per_step == 2 * 36 * 393_216 * 4096 * 2
@@ -286,6 +292,11 @@ def test_cli_table_json_errors(tmp_path):
     r = _cli("--model", "qwen3-8b", "--seq-len", "1048576", "--gpus", "8", "--sp", "8")
     assert r.returncode == 0, r.stderr
     assert "peak = held + max" in r.stdout and "public recipe" in r.stdout and "1.521e+18" in r.stdout
+    assert "fused RMSNorm" in r.stdout and "[--unfused-norm: " in r.stdout
+    u = _cli("--seq-len", "1048576", "--unfused-norm", "--json")
+    assert u.returncode == 0, u.stderr
+    d = json.loads(u.stdout)
+    assert d["fused_norm"] is False and d["total"] > plan(QWEN3_8B, T_1M, gpus=8, sp=8).total
 
     (tmp_path / "config.json").write_text(json.dumps(Qwen3Config.preset("qwen3-0.6b").to_hf()))
     r = _cli("--model", str(tmp_path), "--seq-len", "65536", "--gpus", "2", "--no-offload",
