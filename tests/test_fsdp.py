@@ -208,7 +208,7 @@ def test_sharded_load_logits_export_and_step(world, cases, tmp_path):
         worst_p = max((got["params"][n] - p).abs().max().item() for n, p in params.items())
         print(f"world {world} {name}: worst relative gradient diff {worst_g:.1e}, "
               f"worst parameter diff after AdamW {worst_p:.1e}")
-        assert worst_g <= 1e-5 and worst_p <= 5e-7
+        assert worst_g <= 1e-5 and worst_p <= 1e-6  # a few fp32 ulps at |w| ~ 1
 
     if world == 4:
         errors = results[0]["mesh_errors"]
