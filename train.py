@@ -1,0 +1,527 @@
+"""Fine-tune Qwen3 on single million-token rows: one script, top to bottom.
+
+    bash torchrun.sh                                           # 8 GPUs: the qwen3-8b-1m recipe; no GPU: the CPU demo
+    torchrun --nproc-per-node 8 train.py --preset qwen3-8b-1m --model /models/Qwen3-8B
+    python train.py --preset demo --steps 20                   # one CPU process
+    python train.py --preset qwen3-8b-1m --dry-run             # resolved config and memory plan, nothing loaded
+
+Sections: config | distributed init | checks | model | data | optimizer | checkpoints | steps | save.
+Each sp group of GPUs shares one row (Ulysses: every GPU holds T/sp tokens), dp groups take
+different rows, and FSDP2 shards the parameters over all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from bench.memory_plan import format_plan, plan as memory_plan, step_flops
+from data import RowLoader, build_rows
+from loss.chunked_ce import chunked_cross_entropy
+from model.config import PRESETS as MODEL_PRESETS, Qwen3Config
+from model.offload import apply_offload
+from model.parallel import build_mesh, build_sharded_model
+from model.ulysses import UlyssesAttention, check_heads
+
+IGNORE = -100
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    model: str = "tiny"  # a model directory, a preset name (random init), or a hub id such as Qwen/Qwen3-8B
+    data: str = "synthetic:copy"  # pg19 | a local path | tokens:FILE.npy | synthetic:copy
+    seq_len: int = 1024  # tokens per row (each row holds seq_len + 1 ids: inputs and shifted labels)
+    steps: int = 10  # optimizer steps
+    sp: int = 0  # sequence-parallel degree; 0 = every process of the node
+    grad_accum: int = 1  # rows per optimizer step and dp rank
+    lr: float = 1e-5
+    min_lr_ratio: float = 0.1  # the schedule decays to lr x this
+    warmup_steps: int = 0
+    decay: str = "cosine"  # cosine | linear | constant
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # by the global norm; 0 disables
+    dtype: str = "auto"  # compute dtype: bfloat16 on CUDA, float32 on CPU
+    seed: int = 0
+    yarn_factor: float = 0.0  # 0: RoPE as the model's config.json says
+    yarn_original: int = 32768  # original_max_position_embeddings for --yarn-factor
+    offload: bool = True  # layer inputs to host memory (checkpoint-with-offload)
+    offload_min_bytes: int = 1 << 20  # smaller layer inputs stay where they are
+    tile_mlp: int = 0  # tokens per MLP tile in forward and recompute; 0 = untiled
+    loss_chunk: int = 256  # rows per chunk of the cross-entropy
+    out: str = "runs/latest"
+    metrics_file: str = ""  # default: OUT/metrics.jsonl
+    save_every: int = 0  # resumable checkpoint every N steps; 0 = only at the end
+    save_final: bool = True  # the model in the Hugging Face layout at OUT/final
+    save_dtype: str = "bfloat16"  # dtype of the final safetensors
+    stop_after: int = 0  # leave after this many steps of this launch (a time-limited job); resume later
+    resume: str = ""  # "auto" (latest in OUT/checkpoints) or a checkpoint directory
+    cache_dir: str = "cache"  # tokenised data
+    eos_token: str = ""  # separator between books; default: the tokenizer's eos token
+    gpu_mem_gb: float = 80.0  # for the dry run's plan
+    memory_snapshot: str = ""  # CUDA: write a memory-visualiser snapshot of step 1 here
+    dry_run: bool = False
+
+
+PRESETS = {
+    # The public recipe's shape: Qwen3-8B, PG-19 rows of 1,048,576 tokens, YaRN x32 over 32,768.
+    "qwen3-8b-1m": dict(model="Qwen/Qwen3-8B", data="pg19", seq_len=1_048_576, steps=20, sp=0, lr=1e-5,
+                        warmup_steps=2, dtype="bfloat16", yarn_factor=32.0, yarn_original=32768,
+                        offload=True, tile_mlp=16384, loss_chunk=256, out="runs/qwen3-8b-1m",
+                        eos_token="<|endoftext|>"),  # the base model's document separator, not chat's <|im_end|>
+    # CPU: a small Qwen3 from scratch on the copy task; its loss can only fall if attention
+    # reaches back across the sequence shards.
+    "demo": dict(model="demo", data="synthetic:copy", seq_len=512, steps=60, sp=0, lr=3e-3, warmup_steps=5,
+                 min_lr_ratio=0.3, weight_decay=0.0, dtype="float32", offload=True, offload_min_bytes=0, tile_mlp=128,
+                 loss_chunk=64, out="runs/demo", save_every=0),
+}
+# Model shapes known without a download (dry runs); "demo" is a 4-layer Qwen3 for CPUs.
+KNOWN_MODELS = {"Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-1.7B": "qwen3-1.7b", "Qwen/Qwen3-4B": "qwen3-4b",
+                "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3-14B": "qwen3-14b", "Qwen/Qwen3-32B": "qwen3-32b"}
+DEMO_MODEL = dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=256, hidden_size=128, intermediate_size=256,
+                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+
+
+def parse_args(argv=None) -> TrainConfig:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            p.add_argument(flag, type={"int": int, "float": float}.get(f.type, str), default=None)
+    a = vars(p.parse_args(argv))
+    base = PRESETS.get(a.pop("preset") or "", {})
+    return TrainConfig(**{**base, **{k: v for k, v in a.items() if v is not None}})
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; raised before anything heavy happens."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed init: torchrun's environment, or one plain process
+# ---------------------------------------------------------------------------------------------
+def init_distributed() -> tuple[int, int, int, torch.device]:
+    if "RANK" not in os.environ:  # a plain `python train.py`: a group of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log0(*args):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*args, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks and resolution: everything that can fail does so here, before any heavy work
+# ---------------------------------------------------------------------------------------------
+def resolve_model(cfg: TrainConfig, *, download: bool) -> tuple[Qwen3Config, str | None]:
+    """The model's config and its weights directory (None: random init from a preset)."""
+    name = cfg.model
+    if name == "demo":
+        mc, path = DEMO_MODEL, None
+    elif name in MODEL_PRESETS:
+        mc, path = MODEL_PRESETS[name], None
+    elif os.path.isdir(name):
+        mc, path = Qwen3Config.from_hf(name), name
+    elif os.path.sep in name.strip("/") and name.count("/") == 1 and not name.startswith((".", "/")):
+        if not download and name in KNOWN_MODELS:  # dry run: shapes only
+            mc, path = MODEL_PRESETS[KNOWN_MODELS[name]], None
+        else:
+            path = _download(name)
+            mc = Qwen3Config.from_hf(path)
+    else:
+        raise ConfigError(f"--model {name!r}: no such directory, preset ({', '.join(sorted(MODEL_PRESETS))}, demo) "
+                          f"or hub id (owner/name)")
+    if cfg.yarn_factor:
+        mc = mc.with_yarn(cfg.yarn_factor, cfg.yarn_original)
+    return mc, path
+
+
+def _download(repo_id: str) -> str:
+    """A hub id, fetched once per node (local rank 0), then shared."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as e:
+        raise ConfigError(f"--model {repo_id}: huggingface_hub is not installed; download the model and pass "
+                          f"its directory") from e
+    patterns = ["*.json", "*.safetensors", "*.txt", "tokenizer*"]
+    path, err = None, None
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        try:
+            path = snapshot_download(repo_id, allow_patterns=patterns)
+        except Exception as e:  # offline, gated, misspelt: say so in one line
+            err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if dist.is_initialized():
+        box = [err]
+        dist.broadcast_object_list(box, src=0)
+        err = box[0]
+        if err is None and path is None:
+            path = snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
+    if err:
+        raise ConfigError(f"--model {repo_id}: could not fetch it from the Hugging Face hub ({err}). Without a "
+                          f"network, download it elsewhere and pass the local directory.")
+    return path
+
+
+def check_config(cfg: TrainConfig, mc: Qwen3Config, world: int, local_world: int) -> tuple[int, int]:
+    """(sp, dp) for this launch, or a ConfigError that says what to change."""
+    sp = cfg.sp or local_world
+    if sp < 1 or world % sp:
+        raise ConfigError(f"--sp {sp} does not divide the {world} processes; use a divisor of {world}")
+    if sp > local_world:
+        raise ConfigError(f"--sp {sp} is larger than the {local_world} processes of one node; sequence "
+                          f"parallelism stays inside a node")
+    check_heads(mc.num_attention_heads, mc.num_key_value_heads, sp)
+    if cfg.seq_len < sp:
+        raise ConfigError(f"--seq-len {cfg.seq_len} is shorter than sp={sp}: every rank needs a token")
+    if cfg.grad_accum < 1 or cfg.steps < 1 or cfg.loss_chunk < 1:
+        raise ConfigError("--steps, --grad-accum and --loss-chunk must be positive")
+    if cfg.decay not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"--decay {cfg.decay!r}: use cosine, linear or constant")
+    if cfg.seq_len > mc.max_position_embeddings:
+        log0(f"warning: --seq-len {cfg.seq_len:,} exceeds the model's max_position_embeddings "
+             f"({mc.max_position_embeddings:,}); long-context runs want --yarn-factor")
+    return sp, world // sp
+
+
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    if name not in ("bfloat16", "float32", "float16"):
+        raise ConfigError(f"--dtype {cfg.dtype!r}: use bfloat16, float32 or auto")
+    return getattr(torch, name)
+
+
+def load_rows(cfg: TrainConfig, mc: Qwen3Config, model_dir: str | None, num_rows: int):
+    """The training rows (tokenised once per node into the cache) and a check of their ids."""
+    text = not cfg.data.startswith(("synthetic:", "tokens:"))
+    if text:
+        if model_dir is None:
+            raise ConfigError(f"--data {cfg.data} is text: it needs the model's tokenizer, so --model must be a "
+                              f"model directory or hub id, not a preset")
+        from data.encode import load_tokenizer
+        tokenizer = load_tokenizer(model_dir)
+        if len(tokenizer) > mc.vocab_size:
+            raise ConfigError(f"the tokenizer in {model_dir} has {len(tokenizer):,} tokens but the model's vocabulary "
+                              f"is {mc.vocab_size:,}: they do not belong together")
+    # The directory, not the loaded tokenizer, keys the cache; whichever rank builds shows the bar.
+    rows = build_rows(cfg.data, model_dir, cfg.seq_len, num_rows, cache_dir=cfg.cache_dir, seed=cfg.seed,
+                      vocab_size=mc.vocab_size, eos_token=cfg.eos_token or None, progress=True)
+    if cfg.data.startswith("tokens:"):
+        import numpy as np
+        top = int(np.asarray(rows.tokens[:num_rows]).max())
+        if top >= mc.vocab_size:
+            raise ConfigError(f"--data {cfg.data} holds token id {top}, outside the model's vocabulary of "
+                              f"{mc.vocab_size:,}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer and schedule
+# ---------------------------------------------------------------------------------------------
+def lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup to cfg.lr, then cosine or linear decay to cfg.lr x min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    low = cfg.lr * cfg.min_lr_ratio
+    if cfg.decay == "cosine":
+        return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * frac))
+    if cfg.decay == "linear":
+        return cfg.lr + (low - cfg.lr) * frac
+    return cfg.lr
+
+
+def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # matrices and embeddings; norms are not decayed
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
+
+
+def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """The full gradient norm over all shards (before clipping), and clip to max_norm if > 0.
+
+    FSDP2 gradients are DTensors; clip_grad_norm_ reduces over their mesh, and full_tensor() turns
+    the result into the global value (reading the local part would be too low by ~sqrt(shards))."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resumable checkpoints (torch.distributed.checkpoint), complete or absent
+# ---------------------------------------------------------------------------------------------
+def save_checkpoint(out: str, step: int, model, optimizer, loader: RowLoader, rank: int) -> str:
+    """Written under a .tmp name and renamed once every rank has finished: a crash mid-save never
+    leaves a directory that looks like a checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    final = os.path.join(out, "checkpoints", f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
+    extra = {"step": step, "loader": loader.state_dict(), "cpu_rng": torch.get_rng_state(),
+             "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    torch.save(extra, os.path.join(tmp, f"extra_rank{rank:05d}.pt"))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with open(os.path.join(out, "checkpoints", "LATEST.tmp"), "w") as f:
+            f.write(os.path.basename(final))
+        os.replace(os.path.join(out, "checkpoints", "LATEST.tmp"), os.path.join(out, "checkpoints", "LATEST"))
+    dist.barrier()
+    return final
+
+
+def find_checkpoint(cfg: TrainConfig) -> str | None:
+    if not cfg.resume:
+        return None
+    if cfg.resume != "auto":
+        if not os.path.isdir(cfg.resume) or cfg.resume.endswith(".tmp"):
+            raise ConfigError(f"--resume {cfg.resume}: not a complete checkpoint directory")
+        return cfg.resume
+    root = os.path.join(cfg.out, "checkpoints")
+    latest = os.path.join(root, "LATEST")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(root, f.read().strip())
+    return None  # nothing yet: start from the beginning
+
+
+def load_checkpoint(path: str, model, optimizer, loader: RowLoader, rank: int) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    files = sorted(f for f in os.listdir(path) if f.startswith("extra_rank"))
+    extra = torch.load(os.path.join(path, files[min(rank, len(files) - 1)]), weights_only=False)
+    loader.load_state_dict(extra["loader"])
+    torch.set_rng_state(extra["cpu_rng"])
+    if extra["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(extra["cuda_rng"])
+    return int(extra["step"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+def main(argv=None) -> None:
+    cfg = parse_args(argv)
+    if cfg.dry_run:  # no process group, no downloads, no weights
+        return dry_run(cfg)
+    rank, world, local_world, device = init_distributed()
+    try:
+        train(cfg, rank, world, local_world, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(cfg: TrainConfig) -> None:
+    world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.sp or max(1, torch.cuda.device_count()) or 1
+    if cfg.sp == 0 and "WORLD_SIZE" not in os.environ and torch.cuda.device_count() == 0:
+        world = 8  # planning the recipe on a machine without its GPUs
+    mc, _ = resolve_model(cfg, download=False)
+    sp, dp = check_config(cfg, mc, world, min(world, 8))
+    print(json.dumps({"train": dataclasses.asdict(cfg), "model": mc.to_dict(), "gpus": world, "sp": sp, "dp": dp,
+                      "tokens_per_rank": -(-cfg.seq_len // sp)}, indent=2, default=str))
+    print(format_plan(memory_plan(mc, cfg.seq_len, gpus=world, sp=sp, dp=dp, offload=cfg.offload,
+                                  tiled_mlp=cfg.tile_mlp > 0, mlp_tile=cfg.tile_mlp or None,
+                                  loss_chunk=cfg.loss_chunk, gpu_mem_gb=cfg.gpu_mem_gb)))
+
+
+def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: torch.device) -> None:
+    torch.manual_seed(cfg.seed)
+    mc, model_dir = resolve_model(cfg, download=True)
+    sp, dp = check_config(cfg, mc, world, local_world)
+    dtype = compute_dtype(cfg, device)
+    rows_needed = cfg.steps * cfg.grad_accum * dp
+    log0(json.dumps({"train": dataclasses.asdict(cfg), "model_dir": model_dir, "world": world, "sp": sp, "dp": dp,
+                     "tokens_per_rank": -(-cfg.seq_len // sp), "dtype": str(dtype)}, indent=2, default=str))
+
+    # ---- data first: a missing corpus should fail before minutes of weight loading
+    rows = load_rows(cfg, mc, model_dir, rows_needed)
+
+    # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
+    mesh = build_mesh(world, sp, device.type)
+    t0 = time.perf_counter()
+    model, load_stats = build_sharded_model(mc, mesh, device=device, model_dir=model_dir, param_dtype=dtype)
+    log0(f"model ready in {time.perf_counter() - t0:.1f} s"
+         + (f", read {load_stats.bytes_read / 2**30:.2f} GiB on rank 0" if load_stats else ", random init"))
+    model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
+    offload = apply_offload(model, offload=cfg.offload, min_bytes=cfg.offload_min_bytes, tile_mlp=cfg.tile_mlp or None)
+
+    sp_rank, dp_rank = mesh["sp"].get_local_rank(), mesh["dp"].get_local_rank()
+    loader = RowLoader(rows, dp_rank, dp, sp_rank, sp, device=device)
+    optimizer = make_optimizer(cfg, model, device)
+
+    # ---- resume
+    start = 0
+    ckpt = find_checkpoint(cfg)
+    if ckpt:
+        start = load_checkpoint(ckpt, model, optimizer, loader, rank)
+        log0(f"resumed from {ckpt} at step {start}")
+
+    # ---- the steps
+    os.makedirs(cfg.out, exist_ok=True)
+    metrics_path = cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl")
+    metrics = open(metrics_path, "a" if start else "w") if rank == 0 else None
+    # MFU counts model FLOPs (no recomputation), the usual convention; recompute is overhead
+    flops = step_flops(mc, cfg.seq_len)["model"] * cfg.grad_accum * dp
+    peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
+    bar = _bar(cfg.steps, start, rank)
+    first_loss = first_pred = None
+    end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
+    for step in range(start, end):
+        if step == start and cfg.memory_snapshot and device.type == "cuda":
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        lr = lr_at(cfg, step)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        micro = [next(loader) for _ in range(cfg.grad_accum)]
+
+        # The loss is sum over every valid label of the step / their global count: each rank
+        # contributes its local sum, so FSDP2 must SUM gradients over ranks (set in parallel.py).
+        count = torch.stack([(b["labels"] != IGNORE).sum() for b in micro]).sum().to(torch.float64)
+        dist.all_reduce(count)
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, predictable sum, predictable count
+        for b in micro:
+            hidden = model(b["input_ids"], b["position_ids"])  # [1, T/sp, hidden]
+            labels = b["labels"].flatten()
+            pred = b.get("predictable")
+            if pred is None:
+                parts = [labels]
+            else:  # two sums over disjoint labels cost what one does: ignored rows are skipped
+                pred = pred.flatten()
+                parts = [torch.where(pred, labels, IGNORE), torch.where(pred, IGNORE, labels)]
+                sums[2] += (parts[0] != IGNORE).sum()
+            losses = [chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, lab,
+                                            chunk_size=cfg.loss_chunk, reduction="sum") for lab in parts]
+            (sum(losses) / count.to(losses[0].dtype)).backward()
+            sums[0] += sum(x.detach() for x in losses).double()
+            if pred is not None:
+                sums[1] += losses[0].detach().double()
+        grad_norm = global_grad_norm(model, cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(sums)
+        loss = float(sums[0] / count)
+        loss_pred = float(sums[1] / sums[2]) if sums[2] > 0 else None
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        moved = offload.reset_step()  # this step's offload counters
+
+        # ---- log
+        tokens = int(count.item())
+        peak_gb = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
+        rec = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+               "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
+               "peak_mem_gb": peak_gb, "mfu": flops / dt / (world * peak * 1e12) if peak else None}
+        if loss_pred is not None:
+            rec["loss_predictable"] = loss_pred
+        first_loss = first_loss if first_loss is not None else loss
+        first_pred = first_pred if first_pred is not None else loss_pred
+        if rank == 0:
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
+            line = (f"step {step + 1:>4}/{cfg.steps} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
+                    f"{tokens:,} tok | {dt:.2f} s | {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
+                    + (f" | mfu {rec['mfu']:.1%}" if rec["mfu"] else "")
+                    + (f" | peak {peak_gb:.1f} GB" if peak_gb else "")
+                    + (f" | predictable loss {loss_pred:.4f}" if loss_pred is not None else "")
+                    + (f" | offloaded {moved.d2h_bytes / 1e6:,.1f} MB" if cfg.offload else ""))
+            bar.write(line)
+            bar.update(1)
+        if step == start and cfg.memory_snapshot and device.type == "cuda":
+            torch.cuda.memory._dump_snapshot(f"{cfg.memory_snapshot}.rank{rank}.pickle")
+            torch.cuda.memory._record_memory_history(enabled=None)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            path = save_checkpoint(cfg.out, step + 1, model, optimizer, loader, rank)
+            log0(f"checkpoint: {path}")
+    bar.close()
+    if metrics:
+        metrics.close()
+
+    # ---- save: a resumable checkpoint and the model in the Hugging Face layout
+    if end < cfg.steps:
+        if not cfg.save_every or end % cfg.save_every:
+            save_checkpoint(cfg.out, end, model, optimizer, loader, rank)
+        log0(f"stopped after step {end} of {cfg.steps}; continue with --resume auto")
+        return
+    if cfg.save_every:
+        save_checkpoint(cfg.out, cfg.steps, model, optimizer, loader, rank)
+    if cfg.save_final:
+        from model.weights import save_safetensors
+        save_safetensors(model, os.path.join(cfg.out, "final"), dtype=getattr(torch, cfg.save_dtype),
+                         tokenizer_dir=model_dir, progress=rank == 0)
+        log0(f"saved {os.path.join(cfg.out, 'final')} (Hugging Face layout)")
+    if first_pred is not None and start < cfg.steps:
+        log0(f"predictable-part loss: first step {first_pred:.4f} -> last step {loss_pred:.4f} "
+             f"({loss_pred / first_pred:.1%} of the first)")
+
+
+def _bar(total: int, start: int, rank: int):
+    from tqdm import tqdm
+    # On a terminal, a bar above the step lines; in a log file, just the lines.
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
+                disable=rank != 0 or not sys.stderr.isatty())
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
