@@ -11,10 +11,10 @@ Once p is known both gradients are one matrix product away, so the forward pass 
 chunk by chunk (three products per chunk: z = h W^T, p W, p^T h) and backward only scales them
 by the incoming gradient; recomputing the logits in backward would cost a fourth product.
 
-Products run in the input dtype (bf16 on tensor cores) with fp32 accumulation, logsumexp and
-softmax in fp32, and the weight gradient is accumulated over chunks in fp32 and cast once.
-Memory: one [chunk, V] fp32 buffer (plus its bf16 copy for bf16 inputs), the [N, H] hidden
-gradient and the [V, H] fp32 weight-gradient accumulator; nothing [N, V] is ever allocated.
+Products run in the input dtype (bf16 on tensor cores) with fp32 accumulation, log-softmax in
+fp32, and the weight gradient is accumulated over chunks in fp32 and cast once. Memory: two
+[chunk, V] fp32 buffers (logits, log-probabilities) and p in bf16 for bf16 inputs, the [N, H]
+hidden gradient and the [V, H] fp32 weight-gradient accumulator; never anything [N, V].
 
 Depends on nothing but torch; copy it freely.
 """
@@ -27,16 +27,19 @@ _FUSED = {}  # device type -> (mm takes out_dtype, addmm takes out_dtype with an
 
 
 def _fused_ops(device):
-    """Which mixed-dtype products (bf16 x bf16 -> fp32) this device's torch offers; CUDA does."""
+    """Whether torch.mm and an in-place torch.addmm take bf16 operands with an fp32 output here
+    (CUDA does; CPU does not). Checked once per device type, on sums that bf16 cannot hold."""
     if device.type not in _FUSED:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-        acc = torch.zeros(2, 2, dtype=torch.float32, device=device)
+        a = torch.tensor([[1.0, 2.0 ** -8]], dtype=torch.bfloat16, device=device)  # [1, 2]
+        b = torch.ones(2, 1, dtype=torch.bfloat16, device=device)
+        out = torch.empty(1, 1, device=device)
         found = []
-        for op in (lambda: torch.mm(a, a, out_dtype=torch.float32),
-                   lambda: torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)):
+        for op, want in ((lambda: torch.mm(a, b, out_dtype=torch.float32, out=out), 1 + 2.0 ** -8),
+                         (lambda: torch.addmm(out.fill_(1 + 2.0 ** -12), a, b,
+                                              out_dtype=torch.float32, out=out),
+                          2 + 2.0 ** -8 + 2.0 ** -12)):
             try:
-                op()
-                found.append(True)
+                found.append(op().item() == want)
             except (RuntimeError, NotImplementedError, TypeError):
                 found.append(False)
         _FUSED[device.type] = tuple(found)
@@ -70,7 +73,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
         # Buffers reused by every chunk (a fresh [C, V] per chunk costs page faults on CPU).
         c_max = min(chunk_size, n)
-        z_buf = torch.empty(c_max, vocab, dtype=acc, device=device)
+        z_buf = torch.empty(c_max, vocab, dtype=acc, device=device)  # logits
+        l_buf = torch.empty_like(z_buf)  # log-probabilities (and p, for fp32 inputs)
         p_buf = None
         if low and (need_h or need_w):
             p_buf = torch.empty(c_max, vocab, dtype=dtype, device=device)
@@ -94,21 +98,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             else:
                 z.copy_(torch.mm(h, weight.T))
 
-            # Stable logsumexp, in place: z <- exp(z - max), loss = log(sum) - (z_t - max).
-            z.sub_(z.amax(dim=1, keepdim=True))
-            z_t = z.gather(1, t)  # [c, 1]
-            z.exp_()
-            total = z.sum(dim=1, keepdim=True)  # [c, 1]
-            losses[s:e] = (total.log() - z_t).squeeze(1)
+            # log-softmax in one fused pass per row (fp32); loss = -log p[t].
+            logp = torch.log_softmax(z, dim=1, out=l_buf[:c])  # [c, V]
+            logp_t = logp.gather(1, t)  # [c, 1]
+            losses[s:e] = logp_t.squeeze(1).neg()
             if not (need_h or need_w):
                 continue
 
-            # p = softmax - onehot; the target entry is formed in fp32 before any rounding.
-            if low:
-                p = torch.div(z, total, out=p_buf[:c])  # [c, V], rounded once to bf16
-            else:
-                p = z.div_(total)
-            p.scatter_(1, t, (z_t.exp() / total - 1).to(p.dtype))
+            # p = softmax - onehot; for bf16, exp writes p rounded once from fp32, and the
+            # target entry p[t] - 1 = expm1(log p[t]) stays accurate when p[t] is near 1.
+            p = torch.exp(logp, out=p_buf[:c] if low else logp)  # [c, V]
+            p.scatter_(1, t, torch.expm1(logp_t).to(p.dtype))
 
             if need_h:
                 if dense:
@@ -170,6 +170,9 @@ def chunked_cross_entropy(hidden, weight, labels, *, chunk_size=256, ignore_inde
                          f"and {tuple(weight.shape)}")
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be [N={hidden.shape[0]}], got {tuple(labels.shape)}")
+    if "DTensor" in (type(hidden).__name__, type(weight).__name__):
+        raise TypeError("pass plain tensors: for an FSDP2 lm_head, call this while the weight is "
+                        "unsharded (inside the module's forward, or after module.unshard())")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
     if chunk_size < 1:

@@ -82,6 +82,33 @@ def test_bfloat16_within_rounding(reduction):
         assert rel(g, w) <= rel(t, w) + BF16_U / 4, f"{name}: {rel(g, w):.2e} vs {rel(t, w):.2e}"
 
 
+def test_bfloat16_fused_products_path(monkeypatch):
+    """The CUDA path (bf16 products with fp32 output and in-place fp32 accumulation through
+    out_dtype), run on CPU by giving torch.mm / torch.addmm an emulated out_dtype."""
+    import loss.chunked_ce as ce
+    mm, addmm = torch.mm, torch.addmm
+
+    def fake_mm(a, b, *, out_dtype=None, out=None):
+        if out_dtype is None:
+            return mm(a, b) if out is None else mm(a, b, out=out)
+        return out.copy_(mm(a.float(), b.float()))  # bf16 values, exact fp32 products
+
+    def fake_addmm(c, a, b, *, out_dtype=None, out=None):
+        assert out_dtype == torch.float32 and out is c
+        return out.add_(mm(a.float(), b.float()))
+
+    monkeypatch.setattr(torch, "mm", fake_mm)
+    monkeypatch.setattr(torch, "addmm", fake_addmm)
+    monkeypatch.setattr(ce, "_FUSED", {})
+    assert ce._fused_ops(torch.device("cpu")) == (True, True)
+    hidden, weight, labels = make(300, 64, 1001, torch.bfloat16, ignored=0.2)
+    got = ours(hidden, weight, labels, chunk_size=64, reduction="mean")
+    exact = reference(hidden, weight, labels, "mean")
+    assert rel(got[0], exact[0]) < 1e-6  # logits never rounded to bf16: fp32 accuracy
+    for g, w in zip(got[1:], exact[1:]):
+        assert rel(g, w) < 2 * BF16_U
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_all_ignored_gives_zero_not_nan(dtype, reduction):
