@@ -140,8 +140,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        # A 1-element (not 0-dim) fp32 factor makes the multiply run in fp32 and round once
-        # to the output dtype; a 0-dim factor would itself be rounded to bf16 first.
+        # A 1-element (not 0-dim) fp32 factor takes part in type promotion, so the multiply
+        # runs in fp32 and rounds once to the output dtype; a 0-dim one could run in bf16.
         scale = (grad_loss / ctx.divisor).reshape(1)
         saved_h, saved_w = ctx.saved_tensors
         grad_h = grad_w = None
