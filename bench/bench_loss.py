@@ -1,21 +1,25 @@
 """Benchmark the loss: ours (loss/chunked_ce.py) against the naive loss and torch's own
 F.linear_cross_entropy, each in its own process on the same seeded inputs.
 
-    python bench/bench_loss.py                      # CPU, fp32: N=4096 H=512 V=151936 and a smaller shape
-    python bench/bench_loss.py --device cuda        # GPU, bf16: N=131072 H=4096 V=151936 and N=256
+    python bench/bench_loss.py --rounds 3        # CPU, fp32: N=4096 H=512 V=151936, N=1024 H=256 V=32000
+    python bench/bench_loss.py --device cuda     # GPU, bf16: N=131072 H=4096 V=151936, and N=256
 
 Time is one forward + backward (loss.backward() into hidden.grad and weight.grad), the best of
 --repeats runs (more if they take under 2 s in all) after one untimed run, and of --rounds
-fresh processes. Peak memory is measured
-on the untimed run:
+fresh processes. Peak memory is measured on the untimed run:
   CPU  the rise of the process's peak resident set size (Linux VmHWM, reset through
        /proc/self/clear_refs just before the run) over the resident size just before it;
   CUDA torch.cuda.max_memory_allocated() over memory_allocated() just before it.
 Both count the gradients the run produces (N x H and V x H), the same for every contender.
 
+Contenders: ours (256-row chunks, and a larger chunk), the naive F.cross_entropy(h @ W.T)
+(logits upcast to fp32 as Hugging Face does), torch's F.linear_cross_entropy with default
+LinearCrossEntropyOptions() (torch picks the chunk rows) and with batch_chunk_size=256.
+Inputs: 10% of labels ignored. "cpu s" is the process's CPU time for the timed run, a check
+on wall time when other work shares the machine (2 threads each at half a core look like one).
+
 For other scripts: run_case(impl, N, H, V, dtype, device) runs one case in this process and
-returns a dict; run_isolated(...) does the same in a fresh subprocess. cpu s in the table is
-the process's CPU time for the timed run, a check on wall time when the machine is shared.
+returns a dict; run_isolated(...) does the same in a fresh subprocess.
 """
 
 import argparse
