@@ -54,6 +54,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
+    adam_eps: float = 1e-8
     grad_clip: float = 1.0  # by the global norm; 0 disables
     dtype: str = "auto"  # compute dtype: bfloat16 on CUDA, float32 on CPU
     seed: int = 0
@@ -63,6 +64,7 @@ class TrainConfig:
     offload_min_bytes: int = 1 << 20  # smaller layer inputs stay where they are
     tile_mlp: int = 0  # tokens per MLP tile in forward and recompute; 0 = untiled
     loss_chunk: int = 256  # rows per chunk of the cross-entropy
+    loss_on: str = "all"  # all | predictable (only labels a synthetic source marks as predictable)
     out: str = "runs/latest"
     metrics_file: str = ""  # default: OUT/metrics.jsonl
     save_every: int = 0  # resumable checkpoint every N steps; 0 = only at the end
@@ -83,17 +85,20 @@ PRESETS = {
                         warmup_steps=2, dtype="bfloat16", yarn_factor=32.0, yarn_original=32768,
                         offload=True, tile_mlp=16384, loss_chunk=256, out="runs/qwen3-8b-1m",
                         eos_token="<|endoftext|>"),  # the base model's document separator, not chat's <|im_end|>
-    # CPU: a small Qwen3 from scratch on the copy task; its loss can only fall if attention
-    # reaches back across the sequence shards.
-    "demo": dict(model="demo", data="synthetic:copy", seq_len=512, steps=60, sp=0, lr=3e-3, warmup_steps=5,
-                 min_lr_ratio=0.3, weight_decay=0.0, dtype="float32", offload=True, offload_min_bytes=0, tile_mlp=128,
-                 loss_chunk=64, out="runs/demo", save_every=0),
+    # CPU: a small Qwen3 from scratch on rows whose second half repeats the first; with sp=2 every
+    # predictable label's answer lives on the other rank, so the loss falls only through Ulysses.
+    # The model sits on a plateau at ln(64) until it finds the offset, then drops to ~0 within
+    # 100 steps. When it leaves depends on the init: seed 1 at step ~150 (2 processes); some seeds
+    # take 400+ steps, and a decaying rate can keep it there, hence the constant 5e-3.
+    "demo": dict(model="demo", data="synthetic:repeat", seq_len=512, steps=400, sp=0, lr=5e-3, warmup_steps=0, seed=1,
+                 decay="constant", dtype="float32", offload=True, offload_min_bytes=0, tile_mlp=128,
+                 loss_chunk=64, loss_on="predictable", out="runs/demo", save_every=200),
 }
 # Model shapes known without a download (dry runs); "demo" is a 4-layer Qwen3 for CPUs.
 KNOWN_MODELS = {"Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-1.7B": "qwen3-1.7b", "Qwen/Qwen3-4B": "qwen3-4b",
                 "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3-14B": "qwen3-14b", "Qwen/Qwen3-32B": "qwen3-32b"}
-DEMO_MODEL = dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=256, hidden_size=128, intermediate_size=256,
-                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+DEMO_MODEL = dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=64, hidden_size=128, intermediate_size=256,
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -209,6 +214,11 @@ def check_config(cfg: TrainConfig, mc: Qwen3Config, world: int, local_world: int
         raise ConfigError(f"--seq-len {cfg.seq_len} is shorter than sp={sp}: every rank needs a token")
     if cfg.grad_accum < 1 or cfg.steps < 1 or cfg.loss_chunk < 1:
         raise ConfigError("--steps, --grad-accum and --loss-chunk must be positive")
+    if cfg.loss_on not in ("all", "predictable"):
+        raise ConfigError(f"--loss-on {cfg.loss_on!r}: use all or predictable")
+    if cfg.loss_on == "predictable" and not cfg.data.startswith("synthetic:"):
+        raise ConfigError("--loss-on predictable needs a synthetic source (--data synthetic:...): only they mark "
+                          "which labels are predictable")
     if cfg.decay not in ("cosine", "linear", "constant"):
         raise ConfigError(f"--decay {cfg.decay!r}: use cosine, linear or constant")
     if cfg.seq_len > mc.max_position_embeddings:
@@ -270,7 +280,7 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.devic
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), **fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **fused)
 
 
 def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
@@ -361,6 +371,7 @@ def main(argv=None) -> None:
     rank, world, local_world, device = init_distributed()
     try:
         train(cfg, rank, world, local_world, device)
+        dist.barrier()  # nobody tears down the group while another rank still saves
     finally:
         dist.destroy_process_group()
 
@@ -430,6 +441,9 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         for g in optimizer.param_groups:
             g["lr"] = lr
         micro = [next(loader) for _ in range(cfg.grad_accum)]
+        if cfg.loss_on == "predictable":  # noise labels only dilute a small model's signal
+            for b in micro:
+                b["labels"] = torch.where(b.pop("predictable"), b["labels"], IGNORE)
 
         # The loss is sum over every valid label of the step / their global count: each rank
         # contributes its local sum, so FSDP2 must SUM gradients over ranks (set in parallel.py).
@@ -458,6 +472,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         dist.all_reduce(sums)
         loss = float(sums[0] / count)
         loss_pred = float(sums[1] / sums[2]) if sums[2] > 0 else None
+        if cfg.loss_on == "predictable":
+            loss_pred = loss  # every counted label is a predictable one
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0

@@ -14,6 +14,8 @@ Sources (see data/sources.py for text):
     "synthetic:copy"    the long-range copy task of data/synthetic.py; needs vocab_size (or a
                         tokenizer, whose base vocabulary is used); rows.predictable(i) marks the
                         labels that can be predicted
+    "synthetic:repeat"  the same with the second half repeating the first in order: learnable in
+                        minutes on a CPU (the demo's data)
 
 Every rank may call build_rows at once: one builds under a file lock, the others wait and map it.
 """
@@ -82,14 +84,15 @@ def build_rows(source: str, tokenizer: Any, seq_len: int, num_rows: int, *, cach
         raise ValueError(f"seq_len and num_rows must be positive, got {seq_len} and {num_rows}")
     seq_len, num_rows = int(seq_len), int(num_rows)
 
-    if source == "synthetic:copy":
+    if source in ("synthetic:copy", "synthetic:repeat"):
         if vocab_size is None:
             if tokenizer is None:
-                raise ValueError("synthetic:copy needs vocab_size= (or a tokenizer to take it from)")
+                raise ValueError(f"{source} needs vocab_size= (or a tokenizer to take it from)")
             vocab_size = encode.load_tokenizer(tokenizer).vocab_size  # without added special tokens
-        return CopyRows(seq_len, num_rows, int(vocab_size), seed=seed)
+        return CopyRows(seq_len, num_rows, int(vocab_size), seed=seed,
+                        mode="spans" if source == "synthetic:copy" else "repeat")
     if source.startswith("synthetic:"):
-        raise ValueError(f"unknown synthetic source {source!r}; the one there is: 'synthetic:copy'")
+        raise ValueError(f"unknown synthetic source {source!r}; the ones there are: 'synthetic:copy', 'synthetic:repeat'")
     if source.startswith("tokens:"):
         return _token_file_rows(source[len("tokens:"):], seq_len, num_rows)
     if cache_dir is None:

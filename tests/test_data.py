@@ -376,6 +376,18 @@ def test_synthetic_copy_rows(tok_dir):
     assert torch.equal(batch["predictable"][0], torch.as_tensor(np.append(rows.predictable(0)[256:], False)))
 
 
+def test_synthetic_repeat_rows():
+    """Every second-half token equals the one half a row back, and only those labels are predictable."""
+    rows = data.build_rows("synthetic:repeat", None, 511, 3, vocab_size=64, seed=1)
+    h = rows.half
+    for i in range(3):
+        row, mask = rows[i], rows.predictable(i)
+        assert np.array_equal(row[h:], row[:512 - h])
+        assert np.array_equal(np.flatnonzero(mask), np.arange(h - 1, 511))  # labels row[1:] at positions >= h
+        assert len(set(row[:h].tolist())) > 32  # the first half is random, not a pattern
+    assert not np.array_equal(rows[0], rows[1])
+
+
 # ---- sharding and the loader -----------------------------------------------------------------
 
 @pytest.mark.parametrize("t", [12, 13, 17])
