@@ -377,16 +377,15 @@ def main(argv=None) -> None:
 
 
 def dry_run(cfg: TrainConfig) -> None:
-    world = int(os.environ.get("WORLD_SIZE", 0)) or cfg.sp or max(1, torch.cuda.device_count()) or 1
-    if cfg.sp == 0 and "WORLD_SIZE" not in os.environ and torch.cuda.device_count() == 0:
-        world = 8  # planning the recipe on a machine without its GPUs
+    # Under torchrun: its world; else this machine's GPUs; else the recipe's node of 8.
+    world = int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 8
     mc, _ = resolve_model(cfg, download=False)
     sp, dp = check_config(cfg, mc, world, min(world, 8))
     print(json.dumps({"train": dataclasses.asdict(cfg), "model": mc.to_dict(), "gpus": world, "sp": sp, "dp": dp,
                       "tokens_per_rank": -(-cfg.seq_len // sp)}, indent=2, default=str))
     print(format_plan(memory_plan(mc, cfg.seq_len, gpus=world, sp=sp, dp=dp, offload=cfg.offload,
                                   tiled_mlp=cfg.tile_mlp > 0, mlp_tile=cfg.tile_mlp or None,
-                                  loss_chunk=cfg.loss_chunk, gpu_mem_gb=cfg.gpu_mem_gb)))
+                                  loss_chunk=cfg.loss_chunk, gpu_mem_gb=cfg.gpu_mem_gb, model=cfg.model)))
 
 
 def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: torch.device) -> None:
@@ -449,6 +448,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         # contributes its local sum, so FSDP2 must SUM gradients over ranks (set in parallel.py).
         count = torch.stack([(b["labels"] != IGNORE).sum() for b in micro]).sum().to(torch.float64)
         dist.all_reduce(count)
+        count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
         sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, predictable sum, predictable count
         for b in micro:
             hidden = model(b["input_ids"], b["position_ids"])  # [1, T/sp, hidden]
