@@ -429,6 +429,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
     bar = _bar(cfg.steps, start, rank)
     first_loss = first_pred = None
+    t_run = time.perf_counter()
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
     for step in range(start, end):
         if step == start and cfg.memory_snapshot and device.type == "cuda":
@@ -509,6 +510,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     bar.close()
     if metrics:
         metrics.close()
+    log0(f"{end - start} steps in {time.perf_counter() - t_run:.1f} s")
 
     # ---- save: a resumable checkpoint and the model in the Hugging Face layout
     if end < cfg.steps:

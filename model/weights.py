@@ -243,4 +243,4 @@ def _progress(total: int, enabled: bool, desc: str):
     if not enabled or total < 2:
         return _NoBar()
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="tensor", leave=False)
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None)  # None: off when not a terminal
