@@ -1,0 +1,162 @@
+"""bench/gpu_check.py and bench/bench_attention.py end to end on tiny CPU shapes, so they cannot rot;
+and the exchange-volume arithmetic against the bytes model/ulysses.py really hands to
+all_to_all_single, counted in two gloo processes running checkpointed (offloaded) decoder layers.
+
+    pytest tests/test_gpu_check.py -q
+"""
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ("loss", "layers", "attention", "optimizer", "projection")
+
+
+def _script(name, *args, timeout=120):
+    """Run bench/<name> as a user does, from the repository root; fail with its output."""
+    p = subprocess.run([sys.executable, os.path.join("bench", name), *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def _finite(d, keys, where, nonnegative=True):
+    for k in keys:
+        v = d[k]
+        assert isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), \
+            f"{where}.{k} = {v!r}"
+        assert v >= 0 or not nonnegative, f"{where}.{k} = {v!r}"
+
+
+def _all_numbers_finite(obj, path="results"):
+    """No NaN or infinity anywhere in the JSON (None is allowed, with a stated reason nearby)."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            _all_numbers_finite(v, f"{path}.{k}")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _all_numbers_finite(v, f"{path}[{i}]")
+    elif isinstance(obj, float):
+        assert math.isfinite(obj), f"{path} = {obj}"
+
+
+def test_gpu_check_tiny_end_to_end(tmp_path):
+    out = tmp_path / "results.json"
+    text = _script("gpu_check.py", "--device", "cpu", "--tiny", "--out", str(out))
+    r = json.loads(out.read_text())
+    _all_numbers_finite(r)
+    for s in SECTIONS:
+        assert r[s]["status"] == "ok", (s, r[s])
+        _finite(r[s], ["process_peak_gb"] if s != "projection" else [], s)
+    assert r["device"] == "cpu" and r["torch"] == torch.__version__
+    _finite(r["loss"], ["time_s", "tflops", "N", "H", "V"], "loss")
+    _finite(r["layers"], ["tokens", "local_attention_s"], "layers")
+    # tiny CPU timings are noise: a per-layer difference may come out negative, but not NaN
+    _finite(r["layers"], ["per_layer_s", "per_layer_nonattn_s"], "layers", nonnegative=False)
+    _finite(r["layers"]["local_attention"], ["fwd_s", "bwd_s"], "layers.local_attention")
+    assert r["layers"]["working_set"]["planned_gb"] > 0
+    _finite(r["attention"], ["fwd_s", "bwd_s", "fwd_tflops", "bwd_tflops"], "attention")
+    assert r["attention"]["backend"] == "flash", r["attention"]["backend_errors"]
+    _finite(r["optimizer"], ["time_s", "params_per_gpu"], "optimizer")
+    p = r["projection"]
+    _finite(p, ["planner_floor_s", "planner_flops", "a2a_s", "planner_peak_gb"], "projection")
+    _finite(p, ["step_s", "layer_s"], "projection", nonnegative=False)
+    t = p["terms"]  # the arithmetic adds up as printed
+    assert p["step_s"] == pytest.approx(t["layers"] * (t["layer_nonattn_s"] + t["attention_s"])
+                                        + t["loss_s"] + t["a2a_s"] + t["optimizer_s"], rel=1e-9)
+    assert p["public_recipe"]["step_time_s"] == 380.0 and p["public_recipe"]["peak_gb_per_gpu"] == 56.2
+    assert "step" in text and "PROJECTED" in text
+
+
+def test_bench_attention_tiny_cli(tmp_path):
+    out = tmp_path / "attn.json"
+    text = _script("bench_attention.py", "--device", "cpu", "--tiny", "--json", str(out))
+    r = json.loads(out.read_text())
+    _finite(r, ["fwd_s", "bwd_s", "fwd_bwd_s", "fwd_tflops", "fwd_flops", "bwd_flops"], "attention")
+    assert r["backend"] == "flash" and "flash" in r["backend_ran"]
+    assert r["q_shape"] == [1, 512, 2, 32] and r["kv_shape"] == [1, 512, 1, 32]
+    assert r["bwd_flops"] == 2.5 * r["fwd_flops"] == 2.5 * 2 * 512**2 * 2 * 32
+    assert "PROJECTED" in text
+
+
+def test_exchange_table_qwen3_8b():
+    from bench.bench_attention import exchange_volumes
+    from model.config import Qwen3Config
+    ex = exchange_volumes(Qwen3Config.preset("qwen3-8b"), 1_048_576, 8)
+    fwd = {r["tensor"]: r["buffer_bytes"] for r in ex["rows"] if r["phase"] == "forward"}
+    assert fwd == {"q": 2**30, "k": 2**28, "v": 2**28, "out": 2**30}  # [131072, 32 or 8, 128] bf16
+    assert ex["sent_per_layer"]["total"] == 3 * 7 * (2 * 2**30 + 2 * 2**28) // 8
+
+
+# ---- the arithmetic against what really goes through all_to_all_single --------------------
+TOKENS = 16
+CASES = {"repeat": dict(num_key_value_heads=1), "gqa": dict(num_key_value_heads=2)}  # tiny: 4 q heads
+
+
+def _count_exchanges(rank, world, case):
+    """Checkpointed, offloaded Qwen3 layers under Ulysses; every all_to_all_single call's input
+    shape and bytes, in forward and in backward (recompute included)."""
+    from model.config import Qwen3Config
+    from model.offload import apply_offload
+    from model.qwen3 import Qwen3
+    from model.ulysses import UlyssesAttention
+
+    cfg = dataclasses.replace(Qwen3Config.preset("tiny"), **CASES[case])
+    torch.manual_seed(0)
+    model = Qwen3(cfg)
+    model.set_attention(UlyssesAttention(dist.group.WORLD))
+    apply_offload(model, min_bytes=0)  # what train.py wraps every layer in
+    calls, phase = [], ["forward"]
+    real = dist.all_to_all_single
+
+    def counting(output, input, *args, **kwargs):
+        calls.append((phase[0], tuple(input.shape), input.numel() * input.element_size(),
+                      output.numel() * output.element_size()))
+        return real(output, input, *args, **kwargs)
+
+    dist.all_to_all_single = counting  # ulysses looks it up on torch.distributed at call time
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+        sl = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
+        pos = torch.arange(TOKENS)[None, sl]
+        h = model(ids[:, sl], pos)
+        phase[0] = "backward"
+        h.square().sum().backward()
+    finally:
+        dist.all_to_all_single = real
+    return calls
+
+
+@pytest.mark.slow
+def test_exchange_volumes_equal_all_to_all_bytes():
+    from bench.bench_attention import exchange_volumes
+    from model.config import Qwen3Config
+
+    world = 2
+    per_rank = run_distributed(_run_cases, world)
+    for case, overrides in CASES.items():
+        cfg = dataclasses.replace(Qwen3Config.preset("tiny"), **overrides)
+        ex = exchange_volumes(cfg, TOKENS, world, bytes_per_elem=4)  # fp32 model on gloo
+        for calls in (r[case] for r in per_rank):
+            for phases, seen in ((("forward",), "forward"), (("recompute", "backward"), "backward")):
+                want = sorted([(tuple(r["buffer_shape"]), r["buffer_bytes"]) for r in ex["rows"]
+                               if r["phase"] in phases] * cfg.num_hidden_layers)
+                got = sorted((shape, nbytes) for ph, shape, nbytes, _ in calls if ph == seen)
+                assert got == want, (case, seen)
+                assert all(i == o for ph, _, i, o in calls)  # equal send and receive buffers
+            sent = sum(nbytes * (world - 1) // world for *_, nbytes, _ in calls)
+            assert sent == ex["sent_per_step"]
+
+
+def _run_cases(rank, world):
+    return {case: _count_exchanges(rank, world, case) for case in CASES}
