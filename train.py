@@ -21,6 +21,7 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -130,10 +131,11 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-        dist.init_process_group("nccl", device_id=device)
+        # An hour, not NCCL's 10 minutes: local rank 0 may be downloading 16 GB while the others wait.
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=60))
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timedelta(minutes=60))
     return rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device
 
 
@@ -424,8 +426,9 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     os.makedirs(cfg.out, exist_ok=True)
     metrics_path = cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl")
     metrics = open(metrics_path, "a" if start else "w") if rank == 0 else None
-    # MFU counts model FLOPs (no recomputation), the usual convention; recompute is overhead
-    flops = step_flops(mc, cfg.seq_len)["model"] * cfg.grad_accum * dp
+    # MFU counts model FLOPs the usual way: no recomputation, backward = 2x forward (attention
+    # included; FlashAttention's own recompute is overhead, as is ours)
+    flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
     peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
     bar = _bar(cfg.steps, start, rank)
     first_loss = first_pred = None
