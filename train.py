@@ -431,7 +431,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
     peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
     bar = _bar(cfg.steps, start, rank)
-    first_loss = first_pred = None
+    first_pred = None
     t_run = time.perf_counter()
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
     for step in range(start, end):
@@ -491,7 +491,6 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
                "peak_mem_gb": peak_gb, "mfu": flops / dt / (world * peak * 1e12) if peak else None}
         if loss_pred is not None:
             rec["loss_predictable"] = loss_pred
-        first_loss = first_loss if first_loss is not None else loss
         first_pred = first_pred if first_pred is not None else loss_pred
         if rank == 0:
             metrics.write(json.dumps(rec) + "\n")

@@ -86,7 +86,7 @@ def test_bfloat16_fused_products_path(monkeypatch):
     """The CUDA path (bf16 products with fp32 output and in-place fp32 accumulation through
     out_dtype), run on CPU by giving torch.mm / torch.addmm an emulated out_dtype."""
     import loss.chunked_ce as ce
-    mm, addmm = torch.mm, torch.addmm
+    mm = torch.mm
 
     def fake_mm(a, b, *, out_dtype=None, out=None):
         if out_dtype is None:
