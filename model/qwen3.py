@@ -1,4 +1,4 @@
-"""Qwen3 (dense) in plain PyTorch: one file, no framework, no torch.distributed.
+"""Qwen3 (dense) in plain PyTorch: one file, no framework, nothing distributed (see model/parallel.py).
 
 The module tree mirrors Hugging Face's Qwen3ForCausalLM, so `state_dict()` keys are exactly the
 checkpoint keys (`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, ...,
