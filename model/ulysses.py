@@ -49,28 +49,18 @@ def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return x.permute(1, 2, 0, 3, 4).reshape(B, T // sp, sp * hs, hd)  # [B, T/sp, h, hd]
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
     """Differentiable exchange: the backward of one direction is the other direction."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return seq_to_heads(x, group)
+    def forward(ctx, x, group, to_heads: bool):
+        ctx.group, ctx.to_heads = group, to_heads
+        return seq_to_heads(x, group) if to_heads else heads_to_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return heads_to_seq(grad, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return heads_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return seq_to_heads(grad, ctx.group), None
+        back = heads_to_seq if ctx.to_heads else seq_to_heads
+        return back(grad, ctx.group), None, None
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
@@ -99,7 +89,7 @@ class UlyssesAttention:
         if nkv < self.sp:  # e.g. sp=8 with 4 kv heads: each kv head serves two ranks
             k = k.repeat_interleave(self.sp // nkv, dim=2)  # [B, T/sp, sp, hd]
             v = v.repeat_interleave(self.sp // nkv, dim=2)
-        q, k, v = (_SeqToHeads.apply(t, self.group) for t in (q, k, v))  # [B, T, heads/sp, hd]
+        q, k, v = (_Exchange.apply(t, self.group, True) for t in (q, k, v))  # [B, T, heads/sp, hd]
         out = sdpa_attention(q, k, v)  # [B, T, nh/sp, hd], causal over the whole sequence
-        return _HeadsToSeq.apply(out, self.group)  # [B, T/sp, nh, hd]
+        return _Exchange.apply(out, self.group, False)  # [B, T/sp, nh, hd]
 

@@ -13,6 +13,7 @@ transformers' from_pretrained reads.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> L
             for k in f.keys():
                 sl = f.get_slice(k)
                 shapes[k] = tuple(sl.get_shape())
-                stats.checkpoint_bytes += _numel(shapes[k]) * _dtype_size(sl.get_dtype())
+                stats.checkpoint_bytes += math.prod(shapes[k]) * _dtype_size(sl.get_dtype())
     sources = {name: name for name in targets}
     if tied and "lm_head.weight" not in where:
         sources["lm_head.weight"] = "model.embed_tokens.weight"  # tied files omit lm_head
@@ -216,13 +217,6 @@ def _write_json(p: str, obj) -> None:
     os.replace(p + ".tmp", p)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 _SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
           "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -231,16 +225,7 @@ def _dtype_size(st_dtype: str) -> int:
     return _SIZES.get(st_dtype, 4)
 
 
-class _NoBar:
-    def update(self, n=1):
-        pass
-
-    def close(self):
-        pass
-
-
 def _progress(total: int, enabled: bool, desc: str):
-    if not enabled or total < 2:
-        return _NoBar()
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None)  # None: off when not a terminal
+    on = enabled and total > 1
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None if on else True)  # None: tty only
