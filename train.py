@@ -460,7 +460,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             pred = b.get("predictable")
             if pred is None:
                 parts = [labels]
-            else:  # two sums over disjoint labels cost what one does: ignored rows are skipped
+            else:  # synthetic data: two sums over disjoint labels, the same FLOPs as one (ignored rows
+                # are skipped), but two weight-gradient accumulators live until backward
                 pred = pred.flatten()
                 parts = [torch.where(pred, labels, IGNORE), torch.where(pred, IGNORE, labels)]
                 sums[2] += (parts[0] != IGNORE).sum()
