@@ -69,6 +69,8 @@ stays on the device.
 from __future__ import annotations
 
 import contextlib
+import math
+import time
 import types
 import weakref
 from dataclasses import asdict, dataclass, replace
@@ -79,73 +81,116 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["OffloadPool", "OffloadStats", "apply_offload", "remove_offload", "offload_layer",
-           "set_mlp_tiling", "tiled_mlp"]
+           "set_mlp_tiling", "tiled_mlp", "host_block_bytes", "host_bytes"]
 
 DEFAULT_MIN_BYTES = 1 << 20
 
 
+# ---------------------------------------------------------------------------------------------
+# Host memory layout: fixed-size blocks
+# ---------------------------------------------------------------------------------------------
+MIN_BLOCK, MAX_BLOCK = 512, 64 << 20
+
+
+def host_block_bytes(n: int) -> int:
+    """The block size for an offloaded tensor of n bytes: a power of two near n/64, in [512 B, 64 MiB].
+
+    The tensor's last block is partly empty, and a block is at most n/64 (from 32 KiB up), so the
+    host holds at most 1/64 = 1.6% more than the tensor. memory/plan.py uses the same formula.
+    """
+    if n < 0:
+        raise ValueError(f"host_block_bytes: n must be a number of bytes >= 0, got {n}")
+    q = n // 64
+    return min(MAX_BLOCK, max(MIN_BLOCK, 1 << (q.bit_length() - 1) if q else 0))
+
+
+def host_bytes(n: int) -> int:
+    """Host (pinned) bytes an offloaded tensor of n bytes takes: whole blocks of host_block_bytes(n)."""
+    b = host_block_bytes(n)
+    return -(-n // b) * b
+
+
 @dataclass
 class OffloadStats:
-    """Counters since the last reset_step(); the pool_* and in_use fields are current sizes."""
+    """Counters since the last reset_step(); the pool_*, pinned and in_use fields are current sizes."""
 
     d2h_bytes: int = 0  # device -> host this step
     h2d_bytes: int = 0  # host -> device this step
-    d2h_copies: int = 0
+    d2h_copies: int = 0  # layer inputs (each copied in pieces, one per block)
     h2d_copies: int = 0
     prefetched: int = 0  # H2D copies started before their recompute asked for them
-    host_allocs: int = 0  # host buffers allocated this step: 0 once the pool is warm
-    pool_bytes: int = 0  # all host buffers, free and in use (requested sizes)
-    pinned_bytes: int = 0  # what the pinned host allocator really holds (power-of-two blocks)
-    pool_buffers: int = 0
-    in_use_buffers: int = 0  # holding a layer input right now
+    host_allocs: int = 0  # host blocks allocated this step: 0 once the pool is warm (or reserved)
+    pool_bytes: int = 0  # layer-input bytes the blocks are laid out for: most held at once, or reserved
+    pinned_bytes: int = 0  # bytes of all blocks, free and in use: what a GPU run pins (counted on CPU too)
+    pool_buffers: int = 0  # blocks
+    in_use_buffers: int = 0  # blocks holding part of a layer input right now
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 class _HostCopy:
-    """What the pack hook returns for a moved tensor: its host buffer, and its trip back."""
+    """What the pack hook returns for a moved tensor: its host blocks, and its trip back."""
 
-    __slots__ = ("pool", "key", "buf", "device", "event", "ready", "prev", "__weakref__")
+    __slots__ = ("pool", "key", "blocks", "nbytes", "shape", "dtype", "device", "event", "ready",
+                 "prev", "__weakref__")
 
-    def __init__(self, pool: "OffloadPool", key, buf: torch.Tensor, device: torch.device):
-        self.pool, self.key, self.buf, self.device = pool, key, buf, device
-        self.event = None  # CUDA: event of the last copy touching buf (D2H, later H2D)
+    def __init__(self, pool: "OffloadPool", key, blocks: list, t: torch.Tensor):
+        self.pool, self.key, self.blocks = pool, key, blocks
+        self.nbytes, self.shape, self.dtype, self.device = _nbytes(t), t.shape, t.dtype, t.device
+        self.event = None  # CUDA: event of the last copy touching the blocks (D2H, later H2D)
         self.ready = None  # (device tensor, event, stream it was allocated on) once fetched
         self.prev = None  # weakref to the handle packed before this one: the next to recompute
 
     def __del__(self):
-        # The layer's backward is done (or its graph was dropped): the buffer goes back.
+        # The layer's backward is done (or its graph was dropped): the blocks go back.
         try:
             if self.ready is not None and self.device.type == "cuda":
                 _, ev, stream = self.ready
                 stream.wait_event(ev)  # an unused prefetch: its memory is reused only after the copy
             self.ready = None
-            self.pool._give(self.key, self.buf, self.event)
+            self.pool._give(self.key, self.blocks, self.event, self.nbytes)
         except Exception:  # interpreter shutdown; nothing to return to
             pass
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _copy_pieces(flat: torch.Tensor, blocks: list, to_host: bool, non_blocking: bool) -> None:
+    """flat [n] bytes <-> blocks in order: block i holds bytes [i*b, (i+1)*b); the last is partial."""
+    b = blocks[0].numel()
+    for i, blk in enumerate(blocks):
+        piece = flat[i * b:(i + 1) * b]  # [b] bytes, or fewer in the last block
+        if to_host:
+            blk[:piece.numel()].copy_(piece, non_blocking=non_blocking)
+        else:
+            piece.copy_(blk[:piece.numel()], non_blocking=non_blocking)
+
+
 class OffloadPool:
-    """Host buffers for offloaded layer inputs, the copy streams, and the counters."""
+    """Host blocks for offloaded layer inputs, the copy streams, and the counters."""
 
     def __init__(self, min_bytes: int = DEFAULT_MIN_BYTES):
         if min_bytes < 0:
             raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
         self.min_bytes = int(min_bytes)
-        self._free: dict[tuple, list] = {}  # (shape, dtype, pinned) -> [(buffer, last-use event)]
+        self._free: dict[tuple, list] = {}  # (block bytes, pinned) -> [(block, last-use event)]
         self._streams: dict[int, tuple] = {}  # cuda device index -> (d2h stream, h2d stream)
         self._pending: list = []  # (event, device tensor) of D2H copies in flight
         self._last = None  # weakref to the most recently packed handle
         self._closed = False
         self._step = OffloadStats()
-        self._pool_bytes = self._pinned_bytes = self._pool_buffers = self._in_use = 0
+        self._pinned_bytes = self._pool_buffers = self._in_use = 0
+        self._held = self._peak_held = self._reserved = 0  # layer-input bytes on the host
 
     # ---- public ------------------------------------------------------------------------------
     def stats(self) -> OffloadStats:
         """This step's counters and the pool's current size."""
-        return replace(self._step, pool_bytes=self._pool_bytes, pinned_bytes=self._pinned_bytes,
-                       pool_buffers=self._pool_buffers, in_use_buffers=self._in_use)
+        return replace(self._step, pool_bytes=max(self._peak_held, self._reserved),
+                       pinned_bytes=self._pinned_bytes, pool_buffers=self._pool_buffers,
+                       in_use_buffers=self._in_use)
 
     def reset_step(self) -> OffloadStats:
         """This step's counters (as stats()), then start counting the next step."""
@@ -153,39 +198,74 @@ class OffloadPool:
         self._step = OffloadStats()
         return s
 
+    def reserve(self, count: int, shape, dtype: torch.dtype, device, *, progress: bool = False) -> dict:
+        """Allocate now the blocks for `count` more layer inputs of `shape` and `dtype` on `device`.
+
+        Called before step 1 so that no step allocates (pinning gigabytes takes seconds and
+        synchronises). Inputs below min_bytes stay on the device: nothing to reserve for them.
+        Returns {"blocks", "pinned_bytes", "seconds"}; progress=True shows a tqdm bar.
+        """
+        device = torch.device(device)
+        if int(count) != count or count < 0:
+            raise ValueError(f"reserve: count must be a number of layer inputs >= 0, got {count!r}")
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"reserve: device must be cuda or cpu (where layer inputs live), got {device}")
+        if self._closed:
+            raise RuntimeError("OffloadPool was closed; build a new one (apply_offload(..., pool=None))")
+        n = math.prod(shape) * dtype.itemsize
+        if n == 0 or n < self.min_bytes:
+            return {"blocks": 0, "pinned_bytes": 0, "seconds": 0.0}
+        b, pinned = host_block_bytes(n), device.type == "cuda"
+        blocks = int(count) * -(-n // b)
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        free = self._free.setdefault((b, pinned), [])
+        for _ in tqdm(range(blocks), desc=f"offload: pinning {blocks * b / 2**30:.2f} GiB of host blocks",
+                      unit="block", disable=not progress, leave=False):
+            free.append((self._alloc(b, pinned), None))
+        self._reserved += int(count) * n
+        return {"blocks": blocks, "pinned_bytes": blocks * b, "seconds": time.perf_counter() - t0}
+
     def close(self) -> None:
-        """Drop the free host buffers (buffers still in use are dropped when their graph dies)."""
+        """Drop the free host blocks (blocks still in use are dropped when their graph dies)."""
         self._release_pending()
         self._free.clear()
         self._closed = True
-        self._pool_bytes = self._pinned_bytes = self._pool_buffers = self._in_use = 0
+        self._pinned_bytes = self._pool_buffers = self._in_use = 0
+        self._held = self._peak_held = self._reserved = 0
 
     def should_move(self, t) -> bool:
         """Moved: plain tensors on cpu/cuda that need grad, are not empty and have >= min_bytes."""
         return (type(t) is torch.Tensor and t.requires_grad and t.numel() > 0
-                and t.device.type in ("cuda", "cpu")
-                and t.numel() * t.element_size() >= self.min_bytes)
+                and t.device.type in ("cuda", "cpu") and _nbytes(t) >= self.min_bytes)
 
-    # ---- host buffers ------------------------------------------------------------------------
-    def _take(self, shape, dtype, pinned: bool):
-        key = (tuple(shape), dtype, pinned)
-        free = self._free.get(key)
-        if free:
-            buf, last_event = free.pop()
-        else:
-            buf, last_event = torch.empty(shape, dtype=dtype, pin_memory=pinned), None
-            nbytes = buf.numel() * buf.element_size()
-            self._pool_bytes += nbytes
-            self._pinned_bytes += (1 << (nbytes - 1).bit_length()) if pinned else 0
-            self._pool_buffers += 1
+    # ---- host blocks -------------------------------------------------------------------------
+    def _alloc(self, b: int, pinned: bool) -> torch.Tensor:
+        # b is a power of two, so the pinned allocator's power-of-two rounding adds nothing
+        blk = torch.empty(b, dtype=torch.uint8, pin_memory=pinned)
+        self._pinned_bytes += b
+        self._pool_buffers += 1
+        return blk
+
+    def _take(self, key, count: int):
+        """`count` blocks of one size, reused first; and the distinct last-use events to wait for."""
+        free = self._free.setdefault(key, [])
+        reused = free[len(free) - min(count, len(free)):]
+        del free[len(free) - len(reused):]
+        blocks = [blk for blk, _ in reused]
+        events = list({id(ev): ev for _, ev in reused if ev is not None}.values())
+        for _ in range(count - len(blocks)):
+            blocks.append(self._alloc(key[0], key[1]))
             self._step.host_allocs += 1
-        self._in_use += 1
-        return key, buf, last_event
+        self._in_use += count
+        return blocks, events
 
-    def _give(self, key, buf, last_event) -> None:
+    def _give(self, key, blocks: list, last_event, nbytes: int) -> None:
         if not self._closed:
-            self._in_use -= 1
-            self._free.setdefault(key, []).append((buf, last_event))
+            self._in_use -= len(blocks)
+            self._held -= nbytes
+            self._free.setdefault(key, []).extend((blk, last_event) for blk in blocks)
 
     def _copy_streams(self, device: torch.device):
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -199,24 +279,29 @@ class OffloadPool:
             return t  # kept by reference: shared tables, small tensors, parameters
         if self._closed:
             raise RuntimeError("OffloadPool was closed; build a new one (apply_offload(..., pool=None))")
-        cuda = t.device.type == "cuda"
-        key, buf, last_event = self._take(t.shape, t.dtype, pinned=cuda)
-        h = _HostCopy(self, key, buf, t.device)
+        cuda, n = t.device.type == "cuda", _nbytes(t)
+        key = (host_block_bytes(n), cuda)
+        blocks, waits = self._take(key, -(-n // key[0]))
+        h = _HostCopy(self, key, blocks, t)
+        src = t.detach()
         if cuda:
             compute = torch.cuda.current_stream(t.device)
+            src = src.contiguous()  # a no-op for the hidden state; else a copy on the compute stream
             d2h, _ = self._copy_streams(t.device)
-            d2h.wait_stream(compute)  # t is produced by queued compute work
-            if last_event is not None:
-                d2h.wait_event(last_event)  # the buffer's previous H2D read is done
+            d2h.wait_stream(compute)  # src is produced by queued compute work
+            for ev in waits:
+                d2h.wait_event(ev)  # the blocks' previous H2D reads are done
             with torch.cuda.stream(d2h):
-                buf.copy_(t, non_blocking=True)
+                _copy_pieces(src.view(-1).view(torch.uint8), blocks, to_host=True, non_blocking=True)
             h.event = torch.cuda.Event()
             h.event.record(d2h)
-            self._pending.append((h.event, t))  # t stays alive until its copy is done
+            self._pending.append((h.event, src))  # src stays alive until its copy is done
         else:
-            buf.copy_(t)
+            _copy_pieces(src.reshape(-1).view(torch.uint8), blocks, to_host=True, non_blocking=False)
         h.prev, self._last = self._last, weakref.ref(h)
-        self._step.d2h_bytes += buf.numel() * buf.element_size()
+        self._held += n
+        self._peak_held = max(self._peak_held, self._held)
+        self._step.d2h_bytes += n
         self._step.d2h_copies += 1
         return h
 
@@ -237,21 +322,23 @@ class OffloadPool:
         return out
 
     def _fetch(self, h: _HostCopy) -> None:
-        """Start copying h's host buffer back to its device; h.ready holds the result."""
+        """Start copying h's blocks back to its device, in pieces; h.ready holds the result."""
+        out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # cuda: the compute stream's pool
+        flat = out.view(-1).view(torch.uint8)  # [n] bytes
         if h.device.type == "cuda":
             compute = torch.cuda.current_stream(h.device)
             _, h2d = self._copy_streams(h.device)
-            out = torch.empty(h.buf.shape, dtype=h.buf.dtype, device=h.device)  # compute's pool
             h2d.wait_stream(compute)  # out's memory may still be read by queued compute kernels
-            h2d.wait_event(h.event)  # the D2H copy into buf is complete
+            h2d.wait_event(h.event)  # the D2H copies into the blocks are complete
             with torch.cuda.stream(h2d):
-                out.copy_(h.buf, non_blocking=True)
+                _copy_pieces(flat, h.blocks, to_host=False, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(h2d)
-            h.event, h.ready = ev, (out, ev, compute)
+            h.event, h.ready = ev, (out, ev, compute)  # the blocks' last use: this H2D
         else:
-            h.ready = (h.buf.clone(), None, None)
-        self._step.h2d_bytes += h.buf.numel() * h.buf.element_size()
+            _copy_pieces(flat, h.blocks, to_host=False, non_blocking=False)
+            h.ready = (out, None, None)
+        self._step.h2d_bytes += h.nbytes
         self._step.h2d_copies += 1
 
     def _release_pending(self) -> None:
