@@ -70,10 +70,11 @@ def _sync(device: torch.device) -> None:
 
 def _measure(stack, mode, x, cos, sin, dy, steps, warmup, tile_mlp, min_bytes, device) -> dict:
     """Run one mode: warmup steps, then `steps` timed steps; peak memory over the timed ones."""
-    pool = None
+    pool, reserved = None, None
     stack.checkpointed = mode in ("ckpt", "save_on_cpu")
     if mode in ("offload", "offload_tiled"):
         pool = apply_offload(stack, min_bytes=min_bytes, tile_mlp=tile_mlp if mode == "offload_tiled" else None)
+        reserved = pool.reserve(len(stack.layers), x.shape, x.dtype, device)  # every host block, before step 1
     cuda = device.type == "cuda"
     saving = (lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda)) if mode == "save_on_cpu" else None
 
@@ -111,7 +112,8 @@ def _measure(stack, mode, x, cos, sin, dy, steps, warmup, tile_mlp, min_bytes, d
         if pool is not None:
             s = pool.reset_step()
             r.update(d2h_mib=s.d2h_bytes / steps / MIB, h2d_mib=s.h2d_bytes / steps / MIB,
-                     pool_mib=s.pool_bytes / MIB, host_allocs_after_warmup=s.host_allocs,
+                     pool_mib=s.pool_bytes / MIB, pinned_mib=s.pinned_bytes / MIB,
+                     reserve_s=reserved["seconds"], host_allocs_after_warmup=s.host_allocs,
                      prefetched=s.prefetched // steps)
         return r
     except torch.cuda.OutOfMemoryError:
@@ -190,9 +192,9 @@ def format_table(result: dict) -> str:
 
     lines = [f"{result['device']}, torch {result['torch']}: {result['layers']} layers x "
              f"{result['tokens']} tokens, hidden {result['hidden']}, {result['dtype']}, "
-             f"layer input {result['layer_input_mib']:.2f} MiB; D2H/H2D per step, pool size in MiB",
+             f"layer input {result['layer_input_mib']:.2f} MiB; D2H/H2D per step, pool and pinned in MiB",
              f"{'mode':<14}{'step s':>10}{'vs ckpt':>9}{'peak GiB':>10}{'vs ckpt':>9}"
-             f"{'act GiB':>9}{'D2H':>9}{'H2D':>9}{'pool':>9}"]
+             f"{'act GiB':>9}{'D2H':>9}{'H2D':>9}{'pool':>9}{'pinned':>9}"]
     for m, r in result["modes"].items():
         ratio = result["vs_ckpt"][m]
         if r["oom"]:
@@ -201,7 +203,7 @@ def format_table(result: dict) -> str:
         lines.append(f"{m:<14}{f(r['step_s'], '.4f'):>10}{f(ratio['time'], '.3f'):>9}"
                      f"{f(r['peak_gib'], '.2f'):>10}{f(ratio['peak'], '.3f'):>9}{f(r['act_gib'], '.2f'):>9}"
                      f"{f(r.get('d2h_mib'), '.1f'):>9}{f(r.get('h2d_mib'), '.1f'):>9}"
-                     f"{f(r.get('pool_mib'), '.1f'):>9}")
+                     f"{f(r.get('pool_mib'), '.1f'):>9}{f(r.get('pinned_mib'), '.1f'):>9}")
     lines.append("act = peak minus parameters and inputs; targets"
                  + (" (meaningful on a GPU only)" if result["device"] == "cpu" else "") + ": "
                  + ", ".join(f"{k} {v}" for k, v in result["targets"].items()))

@@ -1,6 +1,7 @@
 """Checkpoint with offload: each decoder layer keeps only its input, in host memory.
 
     pool = apply_offload(model, tile_mlp=8192)   # every model.model.layers[i], in place
+    pool.reserve(36, (1, T, hidden), torch.bfloat16, "cuda")   # all host blocks, before step 1
     loss.backward(); opt.step()
     log(pool.reset_step())                       # bytes moved each way this step, pool size
 
@@ -33,19 +34,27 @@ backward, after FSDP2's pre-backward hook has gathered the parameters again. A r
 `self_attn.attn_fn` runs in forward and recompute like any other code in the body.
 
 CUDA (copies on side streams, memory only from the compute stream's allocator pool):
-  * D2H: the copy stream waits for the compute stream, copies x into a pinned buffer and records
-    an event. x stays referenced until the layer's forward returns; then the compute stream waits
-    for that event (on the GPU, no host sync) and the reference is dropped, so x's memory is only
-    reused by compute work ordered after the copy. The copy overlaps the layer's own compute.
+  * D2H: the copy stream waits for the compute stream and for the last-use events of the pinned
+    blocks it was given, copies x into them piece by piece and records one event. x stays
+    referenced until the layer's forward returns; then the compute stream waits for that event
+    (on the GPU, no host sync) and the reference is dropped, so x's memory is only reused by
+    compute work ordered after the copy. The copy overlaps the layer's own compute.
   * H2D: the device tensor is allocated on the compute stream; the copy stream waits for the
     compute stream (that memory may still be read by queued kernels) and for the D2H event, then
-    copies; the compute stream waits for the copy's event before the recompute reads it.
-  * Pool: host buffers keyed by (shape, dtype), allocated in step 1 and reused after: a buffer
-    returns when its handle dies (once the layer's backward is done), carrying the event of its
-    last copy, which the next D2H into it waits for. Pinned memory from torch's host allocator is
-    rounded up to a power of two (exact for 2^k tokens x 4096 x 2 B); `pinned_bytes` reports it.
-On CPU the same code runs with host buffers from a plain pool and synchronous copies, so it is
-tested without a GPU.
+    copies the blocks back in the same order; the compute stream waits for the copy's event
+    before the recompute reads it.
+  * Pool: fixed-size host blocks, keyed by block size, shared by all layers and steps. A layer
+    input of n bytes takes ceil(n / b) blocks of b = host_block_bytes(n) (a power of two near
+    n/64, 512 B to 64 MiB), byte i of the tensor in block i // b; the last block is partly empty.
+    Why blocks: torch's pinned host allocator rounds every allocation up to a power of two (one
+    3 GiB buffer pins 4 GiB); a power-of-two block is not rounded, and the partial last block
+    wastes under n/64, so the host holds at most 1.6% more than the layer inputs (host_bytes(n);
+    memory/plan.py plans with the same formula). Blocks come from reserve() before step 1 (pinning
+    gigabytes takes seconds and synchronises), or on demand in step 1; a layer's blocks return
+    when its handle dies (once its backward is done), each carrying the event of its last copy,
+    which the next D2H into it waits for. `pinned_bytes` counts the blocks.
+On CPU the same code runs with blocks from a plain pool (counted in `pinned_bytes` as a GPU run
+would pin them) and synchronous copies, so it is tested without a GPU.
 
 Device memory in backward: the recomputed layer's activations, its input, and the next input
 being prefetched (one layer input more than plain checkpointing holds at that moment, and none of

@@ -296,6 +296,7 @@ def test_bench_runs_on_cpu():
     assert max(norms) - min(norms) <= 1e-5 * max(norms)  # every mode computes the same gradient
     assert r["modes"]["offload"]["d2h_mib"] * (1 << 20) == 2 * 64 * 64 * 4
     assert r["modes"]["offload"]["host_allocs_after_warmup"] == 0
+    assert r["modes"]["offload"]["pinned_mib"] * (1 << 20) == 2 * 64 * 64 * 4  # 16 KiB: 32 whole 512 B blocks
     assert "offload_tiled" in format_table(r)
 
 
