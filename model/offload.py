@@ -104,7 +104,7 @@ MIN_BLOCK, MAX_BLOCK = 512, 64 << 20
 def host_block_bytes(n: int) -> int:
     """The block size for an offloaded tensor of n bytes: a power of two near n/64, in [512 B, 64 MiB].
 
-    The tensor's last block is partly empty, and a block is at most n/64 (from 32 KiB up), so the
+    min(64 MiB, max(512, largest power of two <= n // 64)). The tensor's last block is partly empty, and a block is at most n/64 (from 32 KiB up), so the
     host holds at most 1/64 = 1.6% more than the tensor. memory/plan.py uses the same formula.
     """
     if n < 0:
