@@ -55,6 +55,8 @@ def _torch_can_use(name: str, device: torch.device, dtype: torch.dtype, nh: int,
     """Ask torch whether `name` runs these head counts, on tiny probe tensors (with grad) on `device`."""
     if name == "math":
         return dtype.is_floating_point
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return False
     shape = (1, 128, hd)  # the checks look at heads, head_dim, dtype, layout: not at the length
     q, k, v = (torch.zeros(shape[0], h, *shape[1:], device=device, dtype=dtype, requires_grad=True)
                for h in (nh, nkv, nkv))
