@@ -125,9 +125,15 @@ def get_backend() -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _auto_backend(device: torch.device, dtype, nh: int, nkv: int, hd: int, short: bool) -> str:
+def _auto_backend(device: torch.device, dtype, nh: int, nkv: int, hd: int, short: bool, flags) -> str:
     return pick_backend(device, dtype, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
                         seq_len=1 if short else None)
+
+
+def _sdp_flags() -> tuple:
+    """torch's SDPA switches (set by torch.nn.attention.sdpa_kernel): the automatic choice follows them."""
+    b = torch.backends.cuda
+    return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.math_sdp_enabled()
 
 
 def saved_attention_bytes(tokens: int, num_heads: int, head_dim: int, dtype_bytes: int, sp: int = 1,
@@ -313,14 +319,15 @@ class _AttentionCore(torch.autograd.Function):
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
 
-    Runs the pinned backend (set_backend), else the one pick_backend chooses for these shapes.
+    Runs the pinned backend (set_backend), else the one pick_backend chooses for these shapes
+    (which respects torch.nn.attention.sdpa_kernel, as torch's checks do).
     Inside an AttentionStore's run it keeps (forward) or replays (recompute) its (out, lse).
     """
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
     if nh % nkv:
         raise ValueError(f"attention: {nh} query heads are not a multiple of {nkv} kv heads")
-    backend = backend or _PINNED or _auto_backend(q.device, q.dtype, nh, nkv, hd, T <= MATH_MAX_TOKENS)
+    backend = backend or _PINNED or _auto_backend(q.device, q.dtype, nh, nkv, hd, T <= MATH_MAX_TOKENS, _sdp_flags())
     if backend == "sdpa":
         if _ACTIVE is not None:
             raise RuntimeError("attention-once needs a backend that returns the log-sum-exp; backend 'sdpa' "

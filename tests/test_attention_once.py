@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dist_utils import run_distributed
@@ -140,6 +141,9 @@ def test_pinned_backend_and_misuse():
         set_backend(None)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
+    with sdpa_kernel(SDPBackend.MATH), CountAttention() as c:  # unpinned: torch's switches are obeyed
+        got = _run(attention, qkv, dout)
+    assert c.fwd == c.bwd == 0
     with pytest.raises(ValueError, match="unknown"):
         set_backend("fast")
     store = AttentionStore()
