@@ -171,8 +171,8 @@ def _forward(backend: str, q, k, v):
 
 def _backward(backend: str, dout, q, k, v, out, lse, aux):
     aten = torch.ops.aten
-    if dout.stride(-1) != 1:  # the fused kernels read head_dim contiguously
-        dout = dout.contiguous()
+    if backend in ("flash", "cudnn") and dout.stride() != out.stride():
+X
     if backend == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True)
     if backend == "flash":
