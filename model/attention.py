@@ -6,7 +6,8 @@
 
 Backends (`pick_backend` chooses, `BACKENDS` describes):
   cudnn      aten._scaled_dot_product_cudnn_attention: SDPA's own first choice on H100/H200 with
-             cuDNN > 9.15, measured near 2x the flash kernel there; GQA natively where torch allows it.
+             cuDNN > 9.15 (public measurements: near 2x the flash kernel there); grouped kv heads
+             natively where torch's checks allow them, else flash is chosen.
   flash      aten._scaled_dot_product_flash_attention (FlashAttention-2): GQA natively; its backward
              keeps an fp32 dq accumulator and expands dk, dv to the query heads internally.
   cpu_flash  aten._scaled_dot_product_flash_attention_for_cpu: what SDPA runs on CPU (bit-identical).
@@ -30,7 +31,6 @@ exactly as if nothing had been dropped. Nothing here imports torch.distributed.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
@@ -106,7 +106,7 @@ def pick_backend(device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: in
         return "math"
     raise ValueError(f"attention: neither cuDNN nor flash attention can run {what}, and the math fallback "
                      f"(O(T^2) memory) stops at {MATH_MAX_TOKENS} tokens; train in bfloat16 with head_dim a "
-                     f"multiple of 8 (<= 256) on an sm80+ GPU, or pass --attn-backend math for a short run")
+                     f"multiple of 8 (<= 256) on an sm80+ GPU, or pick --attn-backend sdpa (torch's choice, no attention-once)")
 
 
 _PINNED: str | None = None  # set_backend's choice; None: pick per shape, the first time it is seen
@@ -172,7 +172,7 @@ def _forward(backend: str, q, k, v):
 def _backward(backend: str, dout, q, k, v, out, lse, aux):
     aten = torch.ops.aten
     if backend in ("flash", "cudnn") and dout.stride() != out.stride():
-X
+        dout = torch.empty_like(out).copy_(dout)  # the fused CUDA backwards want dout laid out like out
     if backend == "cpu_flash":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True)
     if backend == "flash":
