@@ -32,6 +32,10 @@ fully_shard came before or after apply_offload; the recompute calls the plain bo
 backward, after FSDP2's pre-backward hook has gathered the parameters again. A replaced
 `self_attn.attn_fn` runs in forward and recompute like any other code in the body.
 
+Attention once (save_attention=True): each layer call runs its body through a fresh
+model.attention.AttentionStore, whose attention() calls keep (out, lse) in the forward, as host
+copies from this pool, and hand them back in the recompute instead of running the kernel again.
+
 CUDA (copies on side streams, memory only from the compute stream's allocator pool):
   * D2H: the copy stream waits for the compute stream, copies x into a pinned buffer and records
     an event. x stays referenced until the layer's forward returns; then the compute stream waits

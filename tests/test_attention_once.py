@@ -337,3 +337,54 @@ def test_ulysses_fsdp_once_equals_recompute_and_one_process():
         assert in_use == 0
         assert _max_rel(g_once, g_re) <= 1e-6
         assert _max_rel(g_once, g_ref) <= 1e-5
+
+
+# ---- CUDA only: the kernels training pins ------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("backend", ["cudnn", "flash"])
+def test_cuda_backend_matches_fp64(backend):
+    kw = dict(num_heads=4, num_kv_heads=1, head_dim=128)  # one Ulysses rank of Qwen3-8B at sp=8
+    try:
+        pick_backend("cuda", torch.bfloat16, **kw, request=backend)
+    except ValueError as e:
+        pytest.skip(str(e))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    qkv = [torch.randn(1, 2048, h, 128, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+           for h in (4, 1, 1)]
+    dout = torch.randn(1, 2048, 4, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+    exact = _run(lambda q, k, v: attention(q, k, v, backend="math"),
+                 [x.detach().double().requires_grad_() for x in qkv], dout.double())
+    sdpa_bf16 = _run(_sdpa, qkv, dout)
+    with CountAttention() as c:
+        got = _run(lambda q, k, v: attention(q, k, v, backend=backend), qkv, dout)
+    assert (c.fwd, c.bwd) == (1, 1)
+    for a, s, e in zip(got, sdpa_bf16, exact):
+        bound = max(2 * (s.double() - e).abs().max().item(), 2 ** -8 * e.abs().max().item())
+        assert (a.double() - e).abs().max().item() <= bound
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_attention_once_with_offload():
+    L = CFG.num_hidden_layers
+    ref = _model().cuda().bfloat16()
+    ids = _ids(5).cuda()
+    res = {}
+    for save in (False, True):
+        m = copy.deepcopy(ref)
+        pool = apply_offload(m, min_bytes=0, tile_mlp=32, save_attention=save)
+        for step in range(2):
+            loss, g, counts = _step(m, ids)
+            s = pool.reset_step()
+            torch.cuda.synchronize()
+        assert counts == [(L if save else 2 * L, L)]
+        assert s.host_allocs == 0 and s.in_use_buffers == 0
+        if save:
+            assert s.prefetched == s.h2d_copies == s.d2h_copies == 3 * (L - 1)
+        res[save] = (loss, g)
+    for n, g in res[False][1].items():  # cuDNN's backward may sum in another order: bf16 tolerance
+        torch.testing.assert_close(res[True][1][n].float(), g.float(), rtol=0.02, atol=0.02 * g.abs().max().item())
