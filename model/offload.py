@@ -33,6 +33,10 @@ fully_shard came before or after apply_offload; the recompute calls the plain bo
 backward, after FSDP2's pre-backward hook has gathered the parameters again. A replaced
 `self_attn.attn_fn` runs in forward and recompute like any other code in the body.
 
+Attention once (save_attention=True): each layer call runs its body through a fresh
+model.attention.AttentionStore, whose attention() calls keep (out, lse) in the forward, as host
+copies from this pool, and hand them back in the recompute instead of running the kernel again.
+
 CUDA (copies on side streams, memory only from the compute stream's allocator pool):
   * D2H: the copy stream waits for the compute stream and for the last-use events of the pinned
     blocks it was given, copies x into them piece by piece and records one event. x stays
@@ -78,6 +82,7 @@ stays on the device.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import types
@@ -88,6 +93,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from model.attention import AttentionStore
 
 __all__ = ["OffloadPool", "OffloadStats", "apply_offload", "remove_offload", "offload_layer",
            "set_mlp_tiling", "tiled_mlp", "host_block_bytes", "host_bytes"]
@@ -377,20 +384,86 @@ class OffloadPool:
 # The layer wrapper
 # ---------------------------------------------------------------------------------------------
 class _OffloadedForward:
-    """Installed as `layer.forward`: checkpoint the original forward, offloading its inputs."""
+    """Installed as `layer.forward`: checkpoint the original forward, offloading its inputs.
 
-    def __init__(self, layer: nn.Module, pool: OffloadPool | None, preserve_rng_state: bool):
+    save_attention: the body runs through an AttentionStore (model/attention.py), so attention's
+    (out, lse) are kept from the forward (on the host, through the pool, when offloading) and the
+    recompute skips attention's forward. last: the last layer keeps everything on the device
+    (backward starts with it, so a copy there would stall), and its recompute starts the copy
+    back of the layer before it.
+    """
+
+    def __init__(self, layer: nn.Module, pool: OffloadPool | None, preserve_rng_state: bool,
+                 save_attention: bool = False, last: bool = False):
         self.own = layer.__dict__.get("forward")  # an instance forward we wrap, to restore later
         self.body = self.own or types.MethodType(type(layer).forward, layer)
         self.pool, self.preserve_rng_state = pool, preserve_rng_state
+        self.save_attention, self.last = save_attention, last
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.body(*args, **kwargs)  # nothing is saved without grad
-        scope = self.pool._layer_scope(args, kwargs) if self.pool is not None else contextlib.nullcontext()
+        pool, body = self.pool, self.body
+        if self.save_attention:
+            store = AttentionStore()
+            if pool is not None and self.last:  # inputs and attention stay here; fetch the next layer's
+                store.on_replay = functools.partial(_prefetch, pool, pool._last)
+                pool = None
+            elif pool is not None:
+                store.keep, store.fetch = functools.partial(_keep_on_host, pool), pool._unpack
+            body = functools.partial(store.run, self.body)
+        before = pool._last if pool is not None else None
+        scope = pool._layer_scope(args, kwargs) if pool is not None else contextlib.nullcontext()
         with scope:
-            return checkpoint(self.body, *args, use_reentrant=False,
-                              preserve_rng_state=self.preserve_rng_state, **kwargs)
+            out = checkpoint(body, *args, use_reentrant=False,
+                             preserve_rng_state=self.preserve_rng_state, **kwargs)
+        if self.save_attention and pool is not None:
+            _backward_order(pool, before)
+        return out
+
+
+def _keep_on_host(pool: OffloadPool, t: torch.Tensor):
+    """Attention's out or lse into the pool, like a layer input (copied on the side stream on CUDA).
+    The pool moves only tensors that need grad (so that the shared RoPE tables stay put), and
+    these come out of a kernel with none: hand it an alias that says it does."""
+    alias = t.detach().requires_grad_(t.is_floating_point())
+    h = pool._pack(alias)
+    return t if h is alias else h  # below min_bytes: kept here, as it was
+
+
+def _backward_order(pool: OffloadPool, before) -> None:
+    """Relink the prefetch chain over what one layer call packed: input, then out, then lse.
+
+    The pool prefetches the handle packed just before the one being unpacked, which suits layer
+    inputs (backward meets them last to first) but not the layer's own attention, needed after
+    its input. Backward order is x_i, out_i, lse_i, x_{i-1}, ...: within one layer call the chain
+    runs forward, so the input's unpack starts out's copy, out's starts lse's, and lse's starts
+    the copy of the previous layer's input, which then has the whole backward of this layer.
+    """
+    packed = []  # newest first
+    ref = pool._last
+    while ref is not None and ref is not before:
+        h = ref()
+        if h is None:
+            break
+        packed.append(h)
+        ref = h.prev
+    if len(packed) < 2:
+        return
+    packed.reverse()  # [x_i, out_i, lse_i]: packing order, which is backward's order too
+    for h, nxt in zip(packed, packed[1:]):
+        h.prev = weakref.ref(nxt)
+    packed[-1].prev = before
+    pool._last = weakref.ref(packed[0])
+
+
+def _prefetch(pool: OffloadPool, ref) -> None:
+    """Start the copy back of the handle `ref` points to, unless done (the last layer's recompute
+    calls this for the layer before, which nothing else would prefetch)."""
+    h = ref() if ref is not None else None
+    if h is not None and getattr(h, "ready", True) is None:
+        pool._fetch(h)
+        pool._step.prefetched += 1
 
 
 class _TiledMLPForward:
@@ -406,10 +479,11 @@ class _TiledMLPForward:
 
 
 def offload_layer(layer: nn.Module, pool: OffloadPool | None, *, tile_mlp: int | None = None,
-                  preserve_rng_state: bool = False) -> None:
+                  preserve_rng_state: bool = False, save_attention: bool = False, last: bool = False) -> None:
     """Checkpoint `layer` (in place), offloading its inputs to `pool`; pool=None: plain checkpoint.
 
     preserve_rng_state=False: Qwen3 layers draw no random numbers, so replaying the RNG is waste.
+    save_attention, last: see _OffloadedForward.
     """
     if isinstance(layer.__dict__.get("forward"), _OffloadedForward):
         raise RuntimeError(f"{type(layer).__name__} is already wrapped by offload_layer; "
@@ -418,7 +492,7 @@ def offload_layer(layer: nn.Module, pool: OffloadPool | None, *, tile_mlp: int |
         if not isinstance(getattr(layer, "mlp", None), nn.Module):
             raise TypeError(f"tile_mlp needs a layer with an `mlp` submodule; {type(layer).__name__} has none")
         set_mlp_tiling(layer.mlp, tile_mlp)
-    layer.forward = _OffloadedForward(layer, pool, preserve_rng_state)
+    layer.forward = _OffloadedForward(layer, pool, preserve_rng_state, save_attention, last)
 
 
 def set_mlp_tiling(mlp: nn.Module, tile: int | None) -> None:
@@ -460,21 +534,25 @@ def _find_layers(model: nn.Module):
 
 def apply_offload(model: nn.Module, *, offload: bool = True, min_bytes: int | None = None,
                   tile_mlp: int | None = None, pool: OffloadPool | None = None,
-                  preserve_rng_state: bool = False) -> OffloadPool:
+                  preserve_rng_state: bool = False, save_attention: bool = False) -> OffloadPool:
     """Checkpoint every decoder layer of `model` in place, keeping only its input, on the host.
 
     offload=False: plain checkpointing (inputs stay on the device; the pool counts nothing).
     min_bytes: smaller inputs stay where they are (default 1 MiB; sets it on a given pool).
     tile_mlp: run each MLP in tiles of this many tokens. Returns the pool, for its counters.
+    save_attention: also keep each layer's attention output and log-sum-exp (on the host when
+        offloading), so backward does not run attention's forward again; the last layer then
+        keeps its input and attention on the device (see _OffloadedForward).
     Works before or after FSDP2's fully_shard on the same layers; undo with remove_offload.
     """
     if pool is None:
         pool = OffloadPool(DEFAULT_MIN_BYTES if min_bytes is None else min_bytes)
     elif min_bytes is not None:
         pool.min_bytes = int(min_bytes)
-    for layer in _find_layers(model):
-        offload_layer(layer, pool if offload else None, tile_mlp=tile_mlp,
-                      preserve_rng_state=preserve_rng_state)
+    layers = _find_layers(model)
+    for i, layer in enumerate(layers):
+        offload_layer(layer, pool if offload else None, tile_mlp=tile_mlp, preserve_rng_state=preserve_rng_state,
+                      save_attention=save_attention, last=save_attention and i == len(layers) - 1)
     return pool
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention import attention
 from model.config import Qwen3Config
 
 
@@ -129,13 +130,11 @@ class RMSNorm(nn.Module):
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
 
-    Query heads g*r .. g*r+g-1 share kv head r (g = nh / nkv); SDPA's enable_gqa does the
-    sharing without materialising repeated k and v.
+    Query heads g*r .. g*r+g-1 share kv head r (g = nh / nkv), without materialising repeated k
+    and v. model/attention.py runs it on one pinned kernel that also returns the log-sum-exp, so
+    a checkpointed layer can keep attention from its forward instead of recomputing it.
     """
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),  # [B, heads, T, hd]
-        is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)  # [B, T, nh, hd]
+    return attention(q, k, v)
 
 
 class Attention(nn.Module):

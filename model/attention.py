@@ -1,0 +1,339 @@
+"""Causal attention on one pinned kernel, with its log-sum-exp, computed once per layer per step.
+
+    backend = pick_backend(device, torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
+    set_backend(backend)                      # every attention() call now runs this kernel
+    out = attention(q, k, v)                  # q [B, T, nh, hd], k, v [B, T, nkv, hd] -> [B, T, nh, hd]
+
+Backends (`pick_backend` chooses, `BACKENDS` describes):
+  cudnn      aten._scaled_dot_product_cudnn_attention: SDPA's own first choice on H100/H200 with
+             cuDNN > 9.15 (public measurements: near 2x the flash kernel there); grouped kv heads
+             natively where torch's checks allow them, else flash is chosen.
+  flash      aten._scaled_dot_product_flash_attention (FlashAttention-2): GQA natively; its backward
+             keeps an fp32 dq accumulator and expands dk, dv to the query heads internally.
+  cpu_flash  aten._scaled_dot_product_flash_attention_for_cpu: what SDPA runs on CPU (bit-identical).
+  math       explicit fp32 softmax, O(T^2) memory: CPU, or CUDA at <= MATH_MAX_TOKENS only.
+  sdpa       F.scaled_dot_product_attention, torch picks per call; no log-sum-exp, so no attention-once.
+Every backend except sdpa is a forward returning (out, lse) and a backward taking (q, k, v, out, lse):
+the pair that lets backward skip attention's forward. Each op takes fewer kv heads than query heads
+(query heads g*r .. g*r+g-1 share kv head r), so kv is never expanded here.
+
+Attention once. Whole-layer checkpointing runs a layer's forward twice: in forward, and again in
+backward to rebuild what the layer saved. At a million tokens attention is ~96% of a layer's FLOPs,
+so the second run is ~21% of the step. An `AttentionStore` is the fix: the checkpoint wrapper
+(model/offload.py) runs the layer body through `store.run`; in the body's first run each
+attention() call keeps its (out, lse) in the store (on the host when offloading), and in any later
+run (checkpoint's recompute) it hands them back instead of running the kernel. The recompute still
+rebuilds q, k, v (norms, projections, RoPE, Ulysses' exchanges: backward needs them; a few percent
+of the layer) and everything after attention; the attention backward then gets (q, k, v, out, lse)
+exactly as if nothing had been dropped. Nothing here imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BACKENDS", "MATH_MAX_TOKENS", "AttentionStore", "attention", "get_backend", "pick_backend",
+           "saved_attention_bytes", "set_backend"]
+
+BACKENDS = {
+    "cudnn": "cuDNN attention",
+    "flash": "FlashAttention-2",
+    "cpu_flash": "CPU flash attention",
+    "math": "explicit fp32 softmax",
+    "sdpa": "torch's per-call SDPA choice (no attention-once)",
+}
+MATH_MAX_TOKENS = 8192  # [heads, T, T] fp32 scores: 1 GiB per 4 heads at 8192 tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the kernel
+# ---------------------------------------------------------------------------------------------
+def _torch_can_use(name: str, device: torch.device, dtype: torch.dtype, nh: int, nkv: int, hd: int) -> bool:
+    """Ask torch whether `name` runs these head counts, on tiny probe tensors (with grad) on `device`."""
+    if name == "math":
+        return dtype.is_floating_point
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return False
+    shape = (1, 128, hd)  # the checks look at heads, head_dim, dtype, layout: not at the length
+    q, k, v = (torch.zeros(shape[0], h, *shape[1:], device=device, dtype=dtype, requires_grad=True)
+               for h in (nh, nkv, nkv))
+    if name == "cpu_flash":
+        from torch.nn.attention import SDPBackend
+        return device.type == "cpu" and torch._fused_sdp_choice(
+            q, k, v, is_causal=True, enable_gqa=nh != nkv) == int(SDPBackend.FLASH_ATTENTION)
+    if device.type != "cuda":
+        return False
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, nh != nkv)
+    if name == "cudnn":
+        return torch.backends.cudnn.is_available() and torch.backends.cuda.can_use_cudnn_attention(params, False)
+    if name == "flash":  # the dispatcher pads head_dim to a multiple of 8 for flash; we do not
+        return hd % 8 == 0 and torch.backends.cuda.can_use_flash_attention(params, False)
+    return False
+
+
+def pick_backend(device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                 seq_len: int | None = None, request: str = "auto", can_use=None) -> str:
+    """The attention backend for these shapes: "cudnn" else "flash" on CUDA, "cpu_flash" on CPU.
+
+    The math fallback is taken only on CPU or, on CUDA, when seq_len <= MATH_MAX_TOKENS (tests,
+    smoke runs); at training lengths a CUDA run with neither fused kernel is refused, never slowed
+    down silently. request: "auto" or a name in BACKENDS, which must then be able to run.
+    can_use(name, device, dtype, num_heads, num_kv_heads, head_dim) -> bool replaces torch's checks
+    (tests inject it to exercise the CUDA rules on CPU).
+    """
+    device = torch.device(device)
+    can_use = can_use or _torch_can_use
+    what = (f"{dtype} with {num_heads} query / {num_kv_heads} kv heads of dim {head_dim} on {device} "
+            f"(torch {torch.__version__})")
+    if request not in ("auto", *BACKENDS):
+        raise ValueError(f"attention backend {request!r} is unknown; pick one of auto, {', '.join(BACKENDS)}")
+    if request == "sdpa":
+        return "sdpa"
+    if request != "auto":
+        if request in ("cudnn", "flash") and device.type != "cuda" or request == "cpu_flash" and device.type != "cpu":
+            raise ValueError(f"attention backend {request!r} does not run on {device.type}; use --attn-backend auto")
+        if not can_use(request, device, dtype, num_heads, num_kv_heads, head_dim):
+            raise ValueError(f"attention backend {request!r} cannot run {what}; use --attn-backend auto")
+        return request
+    order = ("cudnn", "flash") if device.type == "cuda" else ("cpu_flash",)
+    for name in order:
+        if can_use(name, device, dtype, num_heads, num_kv_heads, head_dim):
+            return name
+    if device.type == "cpu" or (seq_len is not None and seq_len <= MATH_MAX_TOKENS):
+        return "math"
+    raise ValueError(f"attention: neither cuDNN nor flash attention can run {what}, and the math fallback "
+                     f"(O(T^2) memory) stops at {MATH_MAX_TOKENS} tokens; train in bfloat16 with head_dim a "
+                     f"multiple of 8 (<= 256) on an sm80+ GPU, or pick --attn-backend sdpa (torch's choice, no attention-once)")
+
+
+_PINNED: str | None = None  # set_backend's choice; None: pick per shape, the first time it is seen
+
+
+def set_backend(name: str | None) -> None:
+    """Pin every attention() call to one backend (None: choose automatically per shape)."""
+    global _PINNED
+    if name is not None and name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown; pick one of {', '.join(BACKENDS)}")
+    _PINNED = name
+
+
+def get_backend() -> str | None:
+    return _PINNED
+
+
+@functools.lru_cache(maxsize=64)
+def _auto_backend(device: torch.device, dtype, nh: int, nkv: int, hd: int, short: bool, flags) -> str:
+    return pick_backend(device, dtype, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+                        seq_len=1 if short else None)
+
+
+def _sdp_flags() -> tuple:
+    """torch's SDPA switches (set by torch.nn.attention.sdpa_kernel): the automatic choice follows them."""
+    b = torch.backends.cuda
+    return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.math_sdp_enabled()
+
+
+def saved_attention_bytes(tokens: int, num_heads: int, head_dim: int, dtype_bytes: int, sp: int = 1,
+                          batch: int = 1) -> int:
+    """Bytes attention-once keeps per layer per GPU: out [B, T, nh/sp, hd] + fp32 lse [B, nh/sp, T].
+
+    T is the whole sequence (Ulysses splits heads, not tokens, around attention). Qwen3-8B at
+    1,048,576 tokens, sp=8, bf16: 1,048,576 x 4 x (128 x 2 + 4) = 1.02 GiB.
+    """
+    return batch * tokens * (num_heads // sp) * (head_dim * dtype_bytes + 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward (out, lse) and backward (q, k, v, out, lse) of each backend; tensors are [B, heads, T, hd]
+# ---------------------------------------------------------------------------------------------
+def _forward(backend: str, q, k, v):
+    """-> (out [B, nh, T, hd], lse [B, nh, T] fp32 (cuDNN: [B, nh, T, 1]), aux for the backward)."""
+    aten = torch.ops.aten
+    if backend == "cpu_flash":
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        return out, lse, None
+    if backend == "flash":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, True, False)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    if backend == "cudnn":
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, True, False)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    if backend == "math":
+        return (*_math_forward(q, k, v), None)
+    raise ValueError(f"attention backend {backend!r} has no (out, lse) forward; pick one of cudnn, flash, "
+                     f"cpu_flash, math (sdpa cannot keep attention for the backward)")
+
+
+def _backward(backend: str, dout, q, k, v, out, lse, aux):
+    aten = torch.ops.aten
+    if backend in ("flash", "cudnn") and dout.stride() != out.stride():
+        dout = torch.empty_like(out).copy_(dout)  # the fused CUDA backwards want dout laid out like out
+    if backend == "cpu_flash":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True)
+    if backend == "flash":
+        cum_q, cum_k, max_q, max_k, seed, offset = aux
+        return aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset)
+    if backend == "cudnn":
+        cum_q, cum_k, max_q, max_k, seed, offset = aux
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True)
+    return _math_backward(dout, q, k, v, out, lse)
+
+
+def _grouped(q, k):
+    """q [B, nh, T, hd] -> [B, nkv, g, T, hd]; k [B, nkv, T, hd] -> [B, nkv, 1, T, hd]."""
+    B, nh, T, hd = q.shape
+    nkv = k.shape[1]
+    return q.reshape(B, nkv, nh // nkv, T, hd), k.unsqueeze(2)
+
+
+def _acc(t):
+    return t.to(torch.promote_types(t.dtype, torch.float32))  # fp32 (fp64 stays fp64)
+
+
+def _math_probs(q, k, lse=None):
+    """Causal scores in fp32 and (with lse) the probabilities; [B, nkv, g, T, T]."""
+    qg, kg = _grouped(q, k)
+    s = (_acc(qg) @ _acc(kg).transpose(-1, -2)) * (q.shape[-1] ** -0.5)
+    T = q.shape[2]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s if lse is None else torch.exp(s - lse.reshape(*qg.shape[:-1], 1))
+
+
+def _math_forward(q, k, v):
+    s = _math_probs(q, k)
+    lse = torch.logsumexp(s, dim=-1)  # [B, nkv, g, T]
+    out = torch.exp(s - lse[..., None]) @ _acc(v).unsqueeze(2)  # [B, nkv, g, T, hd]
+    return out.reshape(q.shape).to(q.dtype), lse.reshape(q.shape[:-1])
+
+
+def _math_backward(dout, q, k, v, out, lse):
+    p = _math_probs(q, k, lse)  # [B, nkv, g, T, T]
+    do = _acc(_grouped(dout, k)[0])  # [B, nkv, g, T, hd]
+    delta = (do * _acc(_grouped(out, k)[0])).sum(-1, keepdim=True)  # rowsum(dout * out)
+    dv = (p.transpose(-1, -2) @ do).sum(2)  # [B, nkv, T, hd], summed over the group
+    ds = p * (do @ _acc(v).unsqueeze(2).transpose(-1, -2) - delta) * (q.shape[-1] ** -0.5)
+    dq = ds @ _acc(k).unsqueeze(2)  # [B, nkv, g, T, hd]
+    dk = (ds.transpose(-1, -2) @ _acc(_grouped(q, k)[0])).sum(2)
+    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention kept from the forward for the backward
+# ---------------------------------------------------------------------------------------------
+_ACTIVE = None  # the AttentionStore of the layer body running now (in whichever thread runs it)
+
+
+class AttentionStore:
+    """The (out, lse) of each attention() call in one run of a layer body, for its later runs.
+
+    keep(t) -> handle and fetch(handle) -> t move a kept tensor away and back (the offload pool's
+    host copies); by default they keep it where it is. One store per layer call: it lives as long
+    as checkpoint's recompute closure, i.e. as long as the layer's part of the autograd graph.
+    """
+
+    def __init__(self, keep=None, fetch=None):
+        self.keep = keep or (lambda t: t)
+        self.fetch = fetch or (lambda h: h)
+        self.kept: list = []  # [(out handle, lse handle, their memory orders)] in call order
+        self.runs = 0  # runs of the body: the first is the forward, later ones are recomputes
+        self.i = 0  # attention calls so far in the current run
+        self.on_replay = None  # called at the start of each recompute (the wrapper starts copies)
+
+    @property
+    def replaying(self) -> bool:
+        return self.runs > 1
+
+    def run(self, body, *args, **kwargs):
+        """Run `body` with this store active: as the forward the first time, as a recompute after."""
+        global _ACTIVE
+        self.runs += 1
+        self.i = 0
+        if self.replaying and self.on_replay is not None:
+            self.on_replay()
+        prev, _ACTIVE = _ACTIVE, self
+        try:
+            return body(*args, **kwargs)
+        finally:
+            _ACTIVE = prev
+
+    def put(self, out, lse) -> None:
+        """Keep out and lse, each contiguous in its own memory order (a host copy then round-trips
+        the kernel's strides, whatever they are)."""
+        out, lse = out.detach(), lse.detach()  # no reference to the graph (it references this store)
+        orders = [_dense_order(t) for t in (out, lse)]
+        self.kept.append((self.keep(out.permute(orders[0])), self.keep(lse.permute(orders[1])), orders))
+        self.i += 1
+
+    def take(self):
+        if self.i >= len(self.kept):
+            raise RuntimeError(f"attention-once: the recompute made attention call {self.i + 1} but the forward "
+                               f"made {len(self.kept)}; the layer body must call attention the same way each run")
+        out, lse, (o_order, l_order) = self.kept[self.i]
+        self.i += 1
+        return self.fetch(out).permute(_inverse(o_order)), self.fetch(lse).permute(_inverse(l_order))
+
+
+def _dense_order(t: torch.Tensor) -> list:
+    """The dims of t from outermost to innermost in memory: t.permute(order) is contiguous."""
+    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+
+def _inverse(order: list) -> list:
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return inv
+
+
+class _AttentionCore(torch.autograd.Function):
+    """Causal attention on [B, heads, T, hd] views; saves (q, k, v, out, lse) for its backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, backend):
+        store = _ACTIVE
+        if store is not None and store.replaying:
+            out, lse = store.take()  # the recompute: the forward's results, no kernel
+        else:
+            out, lse, aux = _forward(backend, q, k, v)
+            ctx.aux = aux
+            if store is not None:
+                store.put(out, lse)
+        ctx.backend = backend
+        ctx.save_for_backward(q, k, v, out, lse)  # same tensors, same order, in forward and recompute
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(ctx.backend, dout, q, k, v, out, lse, ctx.aux)
+        return dq, dk, dv, None
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
+
+    Runs the pinned backend (set_backend), else the one pick_backend chooses for these shapes
+    (which respects torch.nn.attention.sdpa_kernel, as torch's checks do).
+    Inside an AttentionStore's run it keeps (forward) or replays (recompute) its (out, lse).
+    """
+    B, T, nh, hd = q.shape
+    nkv = k.shape[2]
+    if nh % nkv:
+        raise ValueError(f"attention: {nh} query heads are not a multiple of {nkv} kv heads")
+    backend = backend or _PINNED or _auto_backend(q.device, q.dtype, nh, nkv, hd, T <= MATH_MAX_TOKENS, _sdp_flags())
+    if backend == "sdpa":
+        if _ACTIVE is not None:
+            raise RuntimeError("attention-once needs a backend that returns the log-sum-exp; backend 'sdpa' "
+                               "does not: pin another one, or run with --no-save-attention")
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=True, enable_gqa=nh != nkv)
+        return out.transpose(1, 2)
+    out = _AttentionCore.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend)  # [B, nh, T, hd]
+    return out.transpose(1, 2)  # [B, T, nh, hd]
