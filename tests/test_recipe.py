@@ -2,10 +2,11 @@
 bf16 end to end, YaRN, tied embeddings under Ulysses, and resume under dp x sp in bf16.
 
 Every run here is several steps with a non-zero learning rate and weight decay, on a cosine
-schedule with --min-lr-ratio 0 (and a warmup step when there are more than 2): the LAST step's rate is then exactly 0 (AdamW with
-lr 0 leaves every parameter bit for bit unchanged, weight decay included), so the saved final
-parameters are the ones that step's loss and gradient norm were computed at. That lets a
-reference load them and check the last step exactly like the first, after real updates.
+schedule with --min-lr-ratio 0 (and a warmup step when there are more than 2): the LAST step's
+rate is then exactly 0 (AdamW with lr 0 leaves every parameter bit for bit unchanged, weight
+decay included), so the saved final parameters are the ones that step's loss and gradient norm
+were computed at. That lets a reference load them and check the last step exactly like the
+first, after real updates.
 """
 
 import dataclasses
@@ -187,7 +188,8 @@ def test_fp32_several_steps_match_transformers(env, per):
     out = _fp32(env, per)
     m = metrics(out)
     loss, norm, _ = loss_and_norm(reference(CFG, final(out)), step_rows(d, 4, per))
-    print(f"fp32 accum {per} step 4: loss {m[3]['loss']:.7f} vs {loss:.7f}, grad_norm {m[3]['grad_norm']:.6f} vs {norm:.6f}")
+    print(f"fp32 accum {per} step 4: loss {m[3]['loss']:.7f} vs {loss:.7f}, "
+          f"grad_norm {m[3]['grad_norm']:.6f} vs {norm:.6f}")
     assert m[3]["loss"] == pytest.approx(loss, rel=1e-5) and m[3]["grad_norm"] == pytest.approx(norm, rel=1e-4)
 
 
