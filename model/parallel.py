@@ -142,15 +142,21 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh, *, param_dtype: torch.dtype | Non
     return model
 
 
+def _fsdp_finishes_grouped_units() -> bool:
+    """Whether this torch completes a grouped unit some of whose modules never ran (2.13 on)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # private, hence checked
+
+    return hasattr(FSDPState, "_force_complete_incomplete_states")
+
+
 def _restart_head_unit_each_forward(model: Qwen3) -> None:
     """torch 2.11/2.12 only: forget the [norm, lm_head] unit's unfinished forward pass at each
     new forward. Those versions start a grouped unit's forward only when the previous one saw
     every module run, and lm_head never does: after a forward with no backward (evaluation) and
     a reshard (state_dict(), save_safetensors) the norm would then run on its sharded weight.
-    torch 2.13 finishes such units itself (FSDPState._force_complete_incomplete_states)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState  # private, version-checked
-
-    if hasattr(FSDPState, "_force_complete_incomplete_states"):
+    torch 2.13 finishes such units itself (FSDPState._force_complete_incomplete_states).
+    tests/test_head_unit.py runs this branch on torch 2.13 with the 2.11/2.12 hooks put back."""
+    if _fsdp_finishes_grouped_units():
         return
     state = model.lm_head._get_fsdp_state()
     pending = getattr(state, "_modules_to_run_forward", None)

@@ -94,7 +94,10 @@ def test_bfloat16_fused_products_path(monkeypatch):
         return out.copy_(mm(a.float(), b.float()))  # bf16 values, exact fp32 products
 
     def fake_addmm(c, a, b, *, out_dtype=None, out=None):
+        # CUDA's addmm would accept a bf16 accumulator too and round the sum each chunk: the
+        # emulation refuses it, so a bf16 grad_w on this path fails here and not only on GPU.
         assert out_dtype == torch.float32 and out is c
+        assert c.dtype == torch.float32, f"the weight-gradient accumulator is {c.dtype}, not fp32"
         return out.add_(mm(a.float(), b.float()))
 
     monkeypatch.setattr(torch, "mm", fake_mm)

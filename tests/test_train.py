@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dist_utils import free_port
 from hf_ref import hf_model, save_hf
 from model.config import Qwen3Config
 
@@ -26,13 +25,20 @@ CFG = Qwen3Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidd
 
 
 def run_train(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """`python train.py ...` for one process, else torchrun. No port is picked here and bound
+    later (another test could take it in between): torchrun --standalone binds its rendezvous on
+    port 0 and hands the workers its store; one process gets MASTER_PORT from train.py, which can
+    still race, so a launch that failed on EADDRINUSE is retried (it died before any step)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     if nproc == 1:
         cmd = [sys.executable, "train.py", *args]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(free_port()), "train.py", *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "train.py", *args]
+    for _ in range(3):
+        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        if p.returncode == 0 or "EADDRINUSE" not in p.stderr:
+            break
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
