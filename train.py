@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bench.memory_plan import format_plan, plan as memory_plan, step_flops
+from memory.plan import format_plan, plan as memory_plan, step_flops
 from data import RowLoader, build_rows
 from loss.chunked_ce import chunked_cross_entropy
 from model.config import PRESETS as MODEL_PRESETS, Qwen3Config

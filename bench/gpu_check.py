@@ -60,7 +60,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-from bench.memory_plan import (GB, GiB, PUBLIC_RECIPE, load_config, param_shapes, plan,  # noqa: E402
+from memory.plan import (GB, GiB, PUBLIC_RECIPE, load_config, param_shapes, plan,  # noqa: E402
                                shard_numel, step_flops)
 
 PARTS = ("loss", "layers", "attention", "optimizer")

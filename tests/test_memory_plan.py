@@ -17,7 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.memory_plan import (GB, GiB, format_plan, layer_saved_bytes, max_seq_len, param_shapes,
+from memory.plan import (GB, GiB, format_plan, layer_saved_bytes, max_seq_len, param_shapes,
                                plan, plan_to_dict, shard_numel)
 from model.config import Qwen3Config
 
