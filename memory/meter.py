@@ -189,6 +189,17 @@ class StepMeter:
         self.__exit__(None, None, None)
         return self.peak_bytes
 
+    def stop_all_ranks(self) -> int:
+        """stop(), then the largest peak over all ranks of the default process group."""
+        import torch.distributed as dist
+
+        self.stop()
+        if dist.is_available() and dist.is_initialized():
+            t = torch.tensor([float(self.peak_bytes)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.peak_bytes = int(t.item())
+        return self.peak_bytes
+
     @property
     def peak_gb(self) -> float:
         return self.peak_bytes / GB

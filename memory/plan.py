@@ -83,8 +83,17 @@ def shard_numel(shape: tuple[int, ...], world: int) -> int:
     return math.ceil(shape[0] / world) * math.prod(shape[1:])
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def pinned_bytes(n: int) -> int:
+    """Host bytes model/offload.py's pool pins for one offloaded tensor of n bytes.
+
+    The pool lays each tensor out in fixed-size blocks: block = n / 64 rounded down to a power of
+    two, between 512 B and 64 MiB, so the last block wastes at most 1/64 (1.6%), and a 3 GiB
+    layer input pins 3 GiB, not the 4 GiB torch's power-of-two host allocator would round it to.
+    """
+    if n <= 0:
+        return 0
+    block = min(64 * 2**20, max(512, 1 << max(0, (n // 64).bit_length() - 1)))
+    return -(-n // block) * block
 
 
 def _gathered_numel(shapes, world: int) -> int:
@@ -398,8 +407,8 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
     phases = {"layer backward": gathered_layers + working, "loss": gathered_lm_head + loss}
     peak_phase = max(phases, key=phases.get)
 
-    # torch's pinned (host) allocator rounds every block up to a power of two; one block per layer.
-    saved_host = c.num_hidden_layers * _pow2(X) if offload else 0
+    # The offload pool pins each layer input in fixed-size blocks (pinned_bytes), allocated before step 1.
+    saved_host = c.num_hidden_layers * pinned_bytes(X) if offload else 0
     host = node * (saved_host + int(host_overhead_gb * GB))
     fl = step_flops(c, seq_len, attn_bwd_factor=attn_bwd_factor)
     rate = gpus * tflops * 1e12 * mfu
@@ -421,6 +430,17 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
         step_time_s=dp * fl["full_recompute"] / rate,
         step_time_no_attn_recompute_s=dp * fl["no_attn_recompute"] / rate,
     )
+
+
+def plan_for_run(cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str) -> Plan:
+    """The plan of exactly one train.py run: its TrainConfig `cfg`, model config, layout, compute
+    dtype (a torch.dtype or its byte size) and device type ("cuda" or "cpu")."""
+    b = dtype if isinstance(dtype, int) else dtype.itemsize
+    x_bytes = (-(-cfg.seq_len // sp)) * config.hidden_size * b  # one layer input
+    return plan(config, -(-cfg.seq_len // sp) * sp, gpus=world, sp=sp, dp=dp,
+                offload=cfg.offload and x_bytes >= cfg.offload_min_bytes, tiled_mlp=cfg.tile_mlp > 0,
+                mlp_tile=cfg.tile_mlp, loss_chunk=cfg.loss_chunk, compute_bytes=b,
+                gpu_mem_gb=cfg.gpu_mem_gb, host_mem_gb=cfg.host_mem_gb, model=cfg.model, device=device)
 
 
 def _options(p: Plan) -> dict:
@@ -517,8 +537,8 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
         f"  {'pinned saved layer inputs':46}{g(p.saved_inputs_host_per_gpu * p.gpus_per_node)}   "
         f"({p.saved_inputs_host_per_gpu * p.gpus_per_node / GiB:.1f} GiB"
         + ("" if 2 * p.saved_inputs_host_per_gpu == p.offload_bytes_per_step else
-           f"; torch rounds each layer's {p.offload_bytes_per_step / 2 / L / GB:.2f} GB block "
-           f"up to a power of two") + ")",
+           f"; each layer's {p.offload_bytes_per_step / 2 / L / GB:.3f} GB in pinned blocks of "
+           f"n/64 rounded to a power of two") + ")",
         f"  {f'runtime, {p.host_overhead_gb:g} GB per process (assumed)':46}"
         f"{g(p.host_overhead_gb * GB * p.gpus_per_node)}",
         f"  {'total':46}{g(p.host_per_node)}   "
