@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as `python memory/plan.py`: make the repo r
 from model.config import PRESETS, Qwen3Config  # noqa: E402
 
 GB, GiB = 1e9, 2**30
+NORM_CHUNK = 1 << 24  # elements per row chunk of model/qwen3.py's RMSNorm (_RMSNormFn.CHUNK_ELEMS)
 
 # The public recipe this project measures itself against (DESIGN.md): Qwen3-8B, 8 x H100.
 PUBLIC_RECIPE = {
@@ -259,7 +260,8 @@ def layer_saved_bytes(config: Qwen3Config, tokens: int, sp: int, *, fused_norm: 
 
 def layer_backward_bytes(config: Qwen3Config, tokens: int, sp: int, *, offload: bool = True,
                          tiled_mlp: bool = True, mlp_tile: int = 8192, fused_norm: bool = True,
-                         compute_bytes: int = 2) -> tuple[int, str, dict[str, int]]:
+                         compute_bytes: int = 2, device: str = "cuda",
+                         norm_chunk: int = NORM_CHUNK) -> tuple[int, str, dict[str, int]]:
     """Activation bytes of one decoder layer's backward at `tokens` local tokens.
 
     Returns (peak, its moment, the items live then). The layer is recomputed from its input, then
@@ -300,11 +302,21 @@ def layer_backward_bytes(config: Qwen3Config, tokens: int, sp: int, *, offload: 
         "residual gradient dh": X,
         "gradient of attention out [T, heads/sp, hd]": Q,
         "dq, dk, dv [T, heads/sp, hd]": Q + 2 * K,
-        "FlashAttention fp32 dq accumulator and delta": 2 * Q + t * nh * 4,
+        # a CUDA kernel's own workspace, invisible to a CPU meter (FlashAttention-2's backward)
+        "FlashAttention fp32 dq accumulator and delta": 2 * Q + t * nh * 4 if device == "cuda" else 0,
     }
+    # After SDPA and the exchanges: the q norm's backward, its fp32 temporaries for one row chunk
+    # (model/qwen3.py's _RMSNormFn: the upcast input, the normalised rows, the upcast gradient, the
+    # result before its cast; with fp32 compute the upcast is the input itself).
+    Kl = t * c.num_key_value_heads * hd * b  # k or v before any repeat, [t, nkv, hd]
+    qk_saved = {k: v for k, v in attn_saved.items() if not k.startswith(("q, k, v at", "attention out", "SDPA"))}
+    norm_tmp = (3 + (b < 4)) * min(t * nh * hd, norm_chunk) * 4
+    qk = {"residual gradient dh": X, "dq, dk, dv [t, heads, hd]": Q + 2 * Kl,
+          "RMSNorm backward fp32 temporaries (one row chunk)": norm_tmp}
     # At the product's backward the product itself is freed; the other three are in `mlp`.
     mlp_saved = {k: v for k, v in saved.items() if k != "MLP gate, up, act, product"}
-    moments = {"MLP backward": {**io, **mlp_saved, **mlp}, "attention backward": {**io, **attn_saved, **attn}}
+    moments = {"MLP backward": {**io, **mlp_saved, **mlp}, "attention backward": {**io, **attn_saved, **attn},
+               "q/k norm backward": {**io, **qk_saved, **qk}}
     name = max(moments, key=lambda k: sum(moments[k].values()))
     items = {k: v for k, v in moments[name].items() if v}
     return sum(items.values()), name, items
@@ -356,7 +368,8 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
          compute_bytes: int = 2, master_bytes: int = 4,
          gpu_mem_gb: float = 80.0, reserve_gb: float = 2.0, host_mem_gb: float | None = None,
          host_overhead_gb: float = 4.0, tflops: float = 989.0, mfu: float = 1.0,
-         attn_bwd_factor: float = 2.5, model: str | None = None, device: str = "cuda") -> Plan:
+         attn_bwd_factor: float = 2.5, model: str | None = None, device: str = "cuda",
+         norm_chunk: int = NORM_CHUNK) -> Plan:
     """Memory per GPU, host memory per node, FLOPs and a projected step time for one step.
 
     reserve_gb: CUDA context, NCCL buffers and allocator slack kept free when deciding what fits.
@@ -393,7 +406,8 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
     # A tied embedding lives in the root unit, which FSDP2 keeps gathered between forward and backward.
     gathered_layers = 2 * layer_params * b + (emb if c.tie_word_embeddings else 0)
     act, moment, items = layer_backward_bytes(c, t, sp, offload=offload, tiled_mlp=tiled_mlp,
-                                              mlp_tile=mlp_tile, fused_norm=fused_norm, compute_bytes=b)
+                                              mlp_tile=mlp_tile, fused_norm=fused_norm, compute_bytes=b,
+                                              device=device, norm_chunk=norm_chunk)
     grads = {"unsharded bf16 layer gradients": layer_params * b,
              "fp32 reduce-scatter input": layer_params * master_bytes}
     layer_detail = {**items, **grads}

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_utils import run_distributed  # noqa: E402
 
-from memory.plan import plan  # noqa: E402
+from memory.plan import NORM_CHUNK, plan  # noqa: E402
 from model.config import Qwen3Config  # noqa: E402
 
 TINY = replace(Qwen3Config.preset("tiny"), max_position_embeddings=1 << 16)  # GQA 2, head_dim 32
@@ -29,15 +29,15 @@ ODD = replace(TINY, hidden_size=80, intermediate_size=176, num_attention_heads=6
               head_dim=24, vocab_size=333)  # not powers of two; 3 query heads per kv head
 TIED = replace(TINY, tie_word_embeddings=True)
 
-# name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk)
+# name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk[, RMSNorm chunk])
 MATRIX = {
     "sp1": (TINY, 1, 1, 4096, "float32", True, 0, 256),
-    "sp1 bf16 tiled": (TINY, 1, 1, 4096, "bfloat16", True, 1024, 256),
+    "sp1 bf16 tiled": (TINY, 1, 1, 2048, "bfloat16", True, 512, 256),
     "sp2": (TINY, 2, 2, 4096, "float32", True, 0, 256),
     "sp2 no offload": (TINY, 2, 2, 4096, "float32", False, 0, 128),
     "sp2 tied": (TIED, 2, 2, 4096, "float32", True, 512, 256),
     "sp2 odd sizes": (ODD, 2, 2, 4096, "float32", True, 0, 256),
-    "sp2 bf16": (TINY, 2, 2, 4096, "bfloat16", True, 0, 256),
+    "sp2 bf16 norm chunks": (TINY, 2, 2, 4096, "bfloat16", True, 0, 256, 1 << 14),
     "sp4 kv repeat tiled": (TINY, 4, 4, 8192, "float32", True, 1024, 256),
     "dp2 x sp2 no offload tiled": (TINY, 4, 2, 4096, "float32", False, 512, 256),
 }
@@ -55,9 +55,12 @@ def _steps(rank, world, specs):
     from model.parallel import build_mesh, build_sharded_model
     from model.ulysses import UlyssesAttention
 
+    from model.qwen3 import _RMSNormFn
+
     out = []
-    for cfg_dict, sp, seq_len, dtype, offload, tile, chunk in specs:
+    for cfg_dict, sp, seq_len, dtype, offload, tile, chunk, norm_chunk in specs:
         cfg, dtype = Qwen3Config(**cfg_dict), getattr(torch, dtype)
+        _RMSNormFn.CHUNK_ELEMS = norm_chunk
         torch.manual_seed(0)
         mesh = build_mesh(world, sp, "cpu")
         model, _ = build_sharded_model(cfg, mesh, device="cpu", param_dtype=dtype, progress=False)
@@ -86,18 +89,24 @@ def _steps(rank, world, specs):
     return out
 
 
+def _spec(name):
+    s = MATRIX[name]
+    return s if len(s) == 9 else (*s, NORM_CHUNK)
+
+
 def measure(names=None) -> dict:
     """{name: (measured, planned)} for the matrix, one group of processes per world size."""
     names = names or list(MATRIX)
     res = {}
     for world in sorted({MATRIX[n][1] for n in names}):
         group = [n for n in names if MATRIX[n][1] == world]
-        specs = [(asdict(c), sp, T, dt, off, tile, ch) for c, _, sp, T, dt, off, tile, ch in (MATRIX[n] for n in group)]
+        specs = [(asdict(c), sp, T, dt, off, tile, ch, nc) for c, _, sp, T, dt, off, tile, ch, nc in (_spec(n) for n in group)]
         ranks = run_distributed(_steps, world, specs, timeout=600)
         for k, n in enumerate(group):
-            c, _, sp, T, dt, off, tile, ch = MATRIX[n]
+            c, _, sp, T, dt, off, tile, ch, nc = _spec(n)
             p = plan(c, T, gpus=world, sp=sp, offload=off, tiled_mlp=tile > 0, mlp_tile=tile or None,
-                     loss_chunk=ch, compute_bytes=torch.finfo(getattr(torch, dt)).bits // 8, device="cpu")
+                     loss_chunk=ch, compute_bytes=torch.finfo(getattr(torch, dt)).bits // 8, device="cpu",
+                     norm_chunk=nc)
             res[n] = (max(r[k] for r in ranks), p.total)
     return res
 
