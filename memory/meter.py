@@ -53,6 +53,18 @@ def host_tensors(obj) -> list[torch.Tensor]:
     raise TypeError(f"host: expected tensors or an OffloadPool, got {type(obj).__name__}")
 
 
+def _where() -> str:
+    """file:line of the innermost frame in this repository (for record=True)."""
+    import sys
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if "site-packages" not in name and "meter.py" not in name and "/lib/python" not in name:
+            return f"{name.split('/')[-2]}/{name.split('/')[-1]}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
 class _Counter(TorchDispatchMode):
     """Live bytes of every storage seen, as a timeline of (+/- bytes, storage id) events."""
 
@@ -69,6 +81,8 @@ class _Counter(TorchDispatchMode):
     def track(self, t: torch.Tensor) -> None:
         for p in _plain(t):
             if p.device.type != "meta":
+                if self.record:
+                    self.shape = tuple(p.shape)
                 self.track_storage(p.untyped_storage())
 
     def track_storage(self, s) -> None:
@@ -78,7 +92,7 @@ class _Counter(TorchDispatchMode):
             self._next += 1
             self.size[i], self.ptr[i] = 0, s.data_ptr()
             if self.record:
-                self.what[i] = self.op
+                self.what[i] = f"{self.op} {getattr(self, 'shape', '')} @ {getattr(self, 'stack', '')}"
             weakref.finalize(s, self._dead, i)
         n = s.nbytes()
         if n != self.size[i]:  # new, or resized in place (resize_, out= ops)
@@ -95,6 +109,7 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.record:
             self.op = f"{func}"
+            self.stack = _where()
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.track(t)

@@ -129,6 +129,7 @@ class Plan:
     mfu: float
     attn_bwd_factor: float
     device: str                   # "cuda": with kernel workspaces a CPU meter cannot see
+    norm_chunk: int               # elements per row chunk of the RMSNorm's fp32 temporaries
     # memory per GPU
     param_shards: int
     grad_shards: int
@@ -262,6 +263,8 @@ def layer_backward_bytes(config: Qwen3Config, tokens: int, sp: int, *, offload: 
                          tiled_mlp: bool = True, mlp_tile: int = 8192, fused_norm: bool = True,
                          compute_bytes: int = 2, device: str = "cuda",
                          norm_chunk: int = NORM_CHUNK) -> tuple[int, str, dict[str, int]]:
+    c, b = config, compute_bytes
+    H, I, hd, nh = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads
     """Activation bytes of one decoder layer's backward at `tokens` local tokens.
 
     Returns (peak, its moment, the items live then). The layer is recomputed from its input, then
@@ -306,39 +309,62 @@ def layer_backward_bytes(config: Qwen3Config, tokens: int, sp: int, *, offload: 
         "FlashAttention fp32 dq accumulator and delta": 2 * Q + t * nh * 4 if device == "cuda" else 0,
     }
     # After SDPA and the exchanges: the q norm's backward, its fp32 temporaries for one row chunk
-    # (model/qwen3.py's _RMSNormFn: the upcast input, the normalised rows, the upcast gradient, the
-    # result before its cast; with fp32 compute the upcast is the input itself).
+    # (model/qwen3.py's _RMSNormFn: the normalised rows, the upcast gradient, and two partial
+    # results of the last expression, live together at its final product).
     Kl = t * c.num_key_value_heads * hd * b  # k or v before any repeat, [t, nkv, hd]
     qk_saved = {k: v for k, v in attn_saved.items() if not k.startswith(("q, k, v at", "attention out", "SDPA"))}
-    norm_tmp = (3 + (b < 4)) * min(t * nh * hd, norm_chunk) * 4
+    norm_tmp = 4 * min(t * nh * hd, norm_chunk) * 4
     qk = {"residual gradient dh": X, "dq, dk, dv [t, heads, hd]": Q + 2 * Kl,
           "RMSNorm backward fp32 temporaries (one row chunk)": norm_tmp}
+    # After the MLP: the post-attention norm's backward, everything of attention still saved.
+    # The MLP's input is still alive here (measured: released with the checkpoint's recomputed
+    # tensors of this norm, not with the MLP's backward).
+    post = {k: v for k, v in saved.items() if k != "MLP gate, up, act, product"}
+    post.update({"output gradient dy": X, "MLP input gradient": X, "norm input gradient": X,
+                 "RMSNorm backward fp32 temporaries (one row chunk)": 4 * min(t * H, norm_chunk) * 4})
     # At the product's backward the product itself is freed; the other three are in `mlp`.
     mlp_saved = {k: v for k, v in saved.items() if k != "MLP gate, up, act, product"}
+    # The layer's own unsharded gradients (compute dtype) made by each moment: backward runs the
+    # MLP (down_proj first), then o_proj, SDPA, the q/k norms, then the projections.
+    HI, HQ = H * I * b, H * nh * hd * b
+    made = {"MLP backward": 0 if tiled_mlp else HI, "post-attention norm backward": 3 * HI,
+            "attention backward": 3 * HI + HQ, "q/k norm backward": 3 * HI + HQ}
     moments = {"MLP backward": {**io, **mlp_saved, **mlp}, "attention backward": {**io, **attn_saved, **attn},
-               "q/k norm backward": {**io, **qk_saved, **qk}}
+               "q/k norm backward": {**io, **qk_saved, **qk}, "post-attention norm backward": {**io, **post}}
+    for k, v in made.items():
+        moments[k]["this layer's unsharded gradients so far"] = v
     name = max(moments, key=lambda k: sum(moments[k].values()))
     items = {k: v for k, v in moments[name].items() if v}
     return sum(items.values()), name, items
 
 
 def loss_bytes(config: Qwen3Config, tokens: int, *, loss_chunk: int = 256, fused_norm: bool = True,
-               compute_bytes: int = 2) -> dict[str, int]:
-    """The chunked loss's tensors (loss/chunked_ce.py) at its largest, with the final norm's.
+               compute_bytes: int = 2, device: str = "cuda") -> dict[str, dict[str, int]]:
+    """The chunked loss's tensors (loss/chunked_ce.py) at its two largest moments.
 
-    The loss makes both gradients in forward: it keeps an fp32 V x H weight-gradient accumulator
-    and the hidden gradient until backward, where it writes a bf16 copy of each. FSDP's fp32
-    reduce-scatter input for lm_head then takes the freed accumulator's place (not counted twice).
+    "loss forward", inside the chunk loop: the final norm's input and output (the hidden states
+    the loss reads), the [N, H] hidden gradient and the fp32 V x H weight-gradient accumulator it
+    makes in forward, and one chunk's buffers: fp32 logits and log-probabilities, for bf16 the
+    probabilities p, and where no bf16 GEMM writes fp32 (CPU) the bf16 logits and a [V, H] bf16
+    product. "loss backward": the accumulator and its cast to the weight's dtype, the hidden
+    gradient and its scaled copy.
     """
     c, b = config, compute_bytes
-    VH, X, t = c.vocab_size * c.hidden_size, tokens * c.hidden_size * compute_bytes, tokens
-    rows = min(loss_chunk, tokens)
+    V, H = c.vocab_size, c.hidden_size
+    X, rows = tokens * H * b, min(loss_chunk, tokens)
+    low = b < 4
+    fused = device == "cuda"
+    chunk = rows * V * (8 + (b if low else 0) + (b if low and not fused else 0))
+    norm = _norm_saved(tokens, H, b, fused_norm, input_elsewhere=False)
     return {
-        "fp32 lm_head gradient accumulator (V x H)": VH * 4,
-        "lm_head gradient cast to bf16 (backward)": VH * b,
-        "logits chunk: fp32 logits, bf16 probabilities, bf16 product": rows * c.vocab_size * (4 + 2 * b),
-        "final norm": _norm_saved(t, c.hidden_size, b, fused_norm, input_elsewhere=False),
-        "hidden gradient and its scaled copy (backward)": 2 * X,
+        "loss forward": {"final norm input and rstd": norm, "hidden states (final norm output)": X,
+                         "hidden gradient [N, H]": X, "fp32 lm_head gradient accumulator (V x H)": V * H * 4,
+                         "one chunk: fp32 logits and log-probabilities, bf16 p (+ CPU bf16 temporaries)":
+                         chunk + (V * H * b if low and not fused else 0)},
+        "loss backward": {"final norm input and rstd": norm, "hidden states (final norm output)": X,
+                          "fp32 lm_head gradient accumulator (V x H)": V * H * 4,
+                          "lm_head gradient in the weight's dtype": V * H * b,
+                          "hidden gradient and its scaled copy": 2 * X},
     }
 
 
@@ -395,28 +421,47 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
     # Sharded fp32 state: parameters, gradients (reduced in fp32), AdamW's exp_avg and exp_avg_sq.
     shards = sum(shard_numel(s, world) for s in param_shapes(c).values()) * master_bytes
     layer = _layer_shapes(c).values()
+    L, tied = c.num_hidden_layers, c.tie_word_embeddings
     layer_params = _gathered_numel(layer, world)
-    emb = _gathered_numel([(c.vocab_size, c.hidden_size)], world) * b
-    saved = c.num_hidden_layers * X
+    layer_shard = sum(shard_numel(s, world) for s in layer) * master_bytes
+    emb_numel = _gathered_numel([(c.vocab_size, c.hidden_size)], world)
+    emb = emb_numel * b
+    head_numel = emb_numel + _gathered_numel([(c.hidden_size,)], world)  # [final norm + lm_head] unit
+    saved = L * X
     saved_gpu = 0 if offload else saved
-    held = shards + shards + 2 * shards + saved_gpu  # parameters, gradients, 2 AdamW states
+    held = shards + 2 * shards + saved_gpu  # parameters, 2 AdamW states (gradients come during backward)
 
-    # Layer phase: two gathered layers (FSDP2 prefetches the next), one layer's unsharded bf16
-    # gradients and their fp32 reduce-scatter input, and the recomputed layer's activations.
-    # A tied embedding lives in the root unit, which FSDP2 keeps gathered between forward and backward.
-    gathered_layers = 2 * layer_params * b + (emb if c.tie_word_embeddings else 0)
+    # Layer phase, during layer i's backward (i = L-1 first). FSDP2 holds layer i and the unit
+    # it prefetches next (layer i-1; the untied embedding at i = 0), the fp32 reduce-scatter input
+    # of the unit reduced just before (kept until the next reduce-scatter: layer i+1's, or the
+    # untied [norm + lm_head]'s at i = L-1), and the gradient shards reduced so far. A tied
+    # embedding lives in the root unit, gathered for the whole step and reduced last.
     act, moment, items = layer_backward_bytes(c, t, sp, offload=offload, tiled_mlp=tiled_mlp,
                                               mlp_tile=mlp_tile, fused_norm=fused_norm, compute_bytes=b,
                                               device=device, norm_chunk=norm_chunk)
-    grads = {"unsharded bf16 layer gradients": layer_params * b,
-             "fp32 reduce-scatter input": layer_params * master_bytes}
-    layer_detail = {**items, **grads}
-    working = act + sum(grads.values())
-    # Loss phase: the gathered lm_head (and the last layer, prefetched for backward) plus the
-    # loss's tensors. The embedding's backward (gathered weight, bf16 gradient, fp32
-    # reduce-scatter input) needs no more than this and is not a separate phase.
+
+    def at_layer(i: int) -> dict[str, int]:
+        done = (L - 1 - i) * layer_shard + (0 if tied else shard_numel((c.vocab_size, c.hidden_size), world)
+                                            * master_bytes + shard_numel((c.hidden_size,), world) * master_bytes)
+        prev = layer_params if i < L - 1 else (0 if tied else head_numel)
+        nxt = layer_params * b if i > 0 else (0 if tied else emb)
+        return {"gathered layer (bf16)": layer_params * b, "next unit, prefetched": nxt,
+                "tied embedding (root unit)": emb if tied else 0,
+                "fp32 reduce-scatter input of the unit before": prev * master_bytes,
+                "gradient shards reduced so far": done}
+
+    position = max(sorted({L - 1, min(1, L - 1), 0}), key=lambda i: sum(at_layer(i).values()))
+    fsdp = at_layer(position)
+    gathered_layers = fsdp["gathered layer (bf16)"] + fsdp["next unit, prefetched"] + fsdp["tied embedding (root unit)"]
+    layer_detail = {**items, **{k: v for k, v in fsdp.items() if v and "gathered" not in k
+                                and "prefetched" not in k and "tied" not in k}}
+    working = sum(layer_detail.values())  # activations at the layer's peak moment + FSDP2's gradients
+    # Loss phase, in forward (gradients set to None): the gathered [norm + lm_head] unit (or the
+    # root with a tied embedding), the last layer (never resharded after forward), the loss's tensors.
     gathered_lm_head = emb + layer_params * b
-    loss_detail = loss_bytes(c, t, loss_chunk=loss_chunk, fused_norm=fused_norm, compute_bytes=b)
+    loss_moments = loss_bytes(c, t, loss_chunk=loss_chunk, fused_norm=fused_norm, compute_bytes=b, device=device)
+    loss_name = max(loss_moments, key=lambda k: sum(loss_moments[k].values()))
+    loss_detail = loss_moments[loss_name]
     loss = sum(loss_detail.values())
     phases = {"layer backward": gathered_layers + working, "loss": gathered_lm_head + loss}
     peak_phase = max(phases, key=phases.get)
@@ -431,7 +476,7 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
         offload=offload, tiled_mlp=tiled_mlp, mlp_tile=mlp_tile, loss_chunk=loss_chunk,
         fused_norm=fused_norm, compute_bytes=b, master_bytes=master_bytes, gpu_mem_gb=gpu_mem_gb,
         reserve_gb=reserve_gb, host_mem_gb=host_mem_gb, host_overhead_gb=host_overhead_gb,
-        tflops=tflops, mfu=mfu, attn_bwd_factor=attn_bwd_factor, device=device,
+        tflops=tflops, mfu=mfu, attn_bwd_factor=attn_bwd_factor, device=device, norm_chunk=norm_chunk,
         param_shards=shards, grad_shards=shards, optimizer_states=2 * shards, saved_inputs_gpu=saved_gpu,
         gathered_layers=gathered_layers, gathered_lm_head=gathered_lm_head, layer_working_set=working,
         loss=loss, held=held, total=held + phases[peak_phase],
@@ -459,7 +504,7 @@ def plan_for_run(cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, 
 
 def _options(p: Plan) -> dict:
     """The keyword arguments that rebuild `p` with plan() (for another seq_len)."""
-    keys = ("dp", "gpus_per_node", "offload", "tiled_mlp", "mlp_tile", "loss_chunk", "fused_norm",
+    keys = ("dp", "gpus_per_node", "offload", "norm_chunk", "tiled_mlp", "mlp_tile", "loss_chunk", "fused_norm",
             "compute_bytes", "master_bytes", "gpu_mem_gb", "reserve_gb", "host_mem_gb", "host_overhead_gb",
             "tflops", "mfu", "attn_bwd_factor", "model", "device")
     return {k: getattr(p, k) for k in keys}
@@ -530,16 +575,16 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
         "",
         f"{'per GPU (GB = 1e9 B)':48}{'GB':>9}",
         f"  {'fp32 parameter shards':46}{g(p.param_shards)}",
-        f"  {'fp32 gradient shards':46}{g(p.grad_shards)}",
         f"  {'AdamW states (2 x fp32)':46}{g(p.optimizer_states)}",
         f"  {'saved layer inputs on GPU':46}{g(p.saved_inputs_gpu)}   "
         + (f"({L} x {p.tokens_per_gpu:,} x {H} x {p.compute_bytes} B in host memory)" if p.offload
            else f"({L} x {p.tokens_per_gpu:,} x {H} x {p.compute_bytes} B)"),
-        f"  {'= held through the step':46}{g(p.held)}",
+        f"  {'= held from the step start':46}{g(p.held)}   "
+        f"(fp32 gradient shards, {p.grad_shards / GB:.2f} GB in all, come during backward)",
         f"  {'gathered bf16 parameters':46}{g(p.gathered_params)}   "
         f"(layer phase {p.gathered_layers / GB:.2f} | loss phase {p.gathered_lm_head / GB:.2f})",
         f"  {'one layer backward: activations + gradients':46}{g(p.layer_working_set)}   "
-        f"(largest in {p.layer_peak})",
+        f"(largest in {p.layer_peak}; gradient shards so far included)",
         f"  {'loss: logits chunk, fp32 lm_head grad, hidden':46}{g(p.loss)}",
         f"  {'peak = held + max(layer phase, loss phase)':46}{g(p.total)}   "
         f"(layer {(p.gathered_layers + p.layer_working_set) / GB:.2f} | loss "

@@ -28,18 +28,25 @@ TINY = replace(Qwen3Config.preset("tiny"), max_position_embeddings=1 << 16)  # G
 ODD = replace(TINY, hidden_size=80, intermediate_size=176, num_attention_heads=6, num_key_value_heads=2,
               head_dim=24, vocab_size=333)  # not powers of two; 3 query heads per kv head
 TIED = replace(TINY, tie_word_embeddings=True)
+# Qwen3-8B's proportions: intermediate 3 x hidden, heads x head_dim = hidden, 4 query heads per kv head
+LIKE_8B = replace(TINY, hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=16, vocab_size=1024)
+# parameters a third of the peak: gathered layers, their gradients and the fp32 state count
+WIDE = replace(TINY, hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64, vocab_size=2048)
 
 # name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk[, RMSNorm chunk])
 MATRIX = {
     "sp1": (TINY, 1, 1, 4096, "float32", True, 0, 256),
     "sp1 bf16 tiled": (TINY, 1, 1, 2048, "bfloat16", True, 512, 256),
     "sp2": (TINY, 2, 2, 4096, "float32", True, 0, 256),
-    "sp2 no offload": (TINY, 2, 2, 4096, "float32", False, 0, 128),
     "sp2 tied": (TIED, 2, 2, 4096, "float32", True, 512, 256),
     "sp2 odd sizes": (ODD, 2, 2, 4096, "float32", True, 0, 256),
     "sp2 bf16 norm chunks": (TINY, 2, 2, 4096, "bfloat16", True, 0, 256, 1 << 14),
     "sp4 kv repeat tiled": (TINY, 4, 4, 8192, "float32", True, 1024, 256),
     "dp2 x sp2 no offload tiled": (TINY, 4, 2, 4096, "float32", False, 512, 256),
+    "sp2 8B-like tiled": (LIKE_8B, 2, 2, 4096, "float32", True, 256, 128),
+    "sp2 wide params": (WIDE, 2, 2, 1024, "float32", True, 0, 256),
 }
 
 
