@@ -116,3 +116,26 @@ def test_rmsnorm_chunks_same_numbers_less_memory(dtype, monkeypatch):
     assert chunked[3] <= 2 * X + n * 4 + 6 * 512 * d * 4 + 4 * d * 4
     assert whole[3] >= chunked[3] + 4 * n * d * 4 - 6 * 512 * d * 4  # one chunk: several fp32 copies of x
     print(f"{dtype}: norm forward+backward above inputs: whole {whole[3]:,} B, chunked {chunked[3]:,} B")
+
+
+def test_train_measure_memory_records_measured_and_planned(tmp_path):
+    """train.py --measure-memory: each record has the meter's peak and this run's plan, and the two
+    agree (the planner computed here from the same settings, independently of train.py's call)."""
+    import json
+    import subprocess
+
+    from memory.plan import plan
+    from model.config import Qwen3Config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "train.py", "--model", "tiny", "--steps", "2", "--seq-len", "2048",
+                        "--measure-memory", "--no-save-final", "--out", str(tmp_path), "--offload-min-bytes", "0",
+                        "--tile-mlp", "256", "--loss-chunk", "128", "--dtype", "float32"],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rec = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][-1]
+    p = plan(Qwen3Config.preset("tiny"), 2048, gpus=1, sp=1, offload=True, tiled_mlp=True, mlp_tile=256,
+             loss_chunk=128, compute_bytes=4, device="cpu")
+    assert rec["planned_peak_gb"] == p.total / 1e9
+    assert abs(rec["peak_mem_gb"] / rec["planned_peak_gb"] - 1) <= 0.05, rec
+    assert "GB measured" in r.stdout and "GB planned" in r.stdout
