@@ -62,27 +62,34 @@ def test_meter_equals_cuda_max_memory_allocated():
 
 
 def _gather(rank, world):
-    """A 256 x 256 Linear sharded by FSDP2 over gloo: after a forward that keeps it gathered,
-    the full weight lives in a storage FSDP2 resized up (not an op output)."""
+    """A 256 x 256 Linear sharded by FSDP2 over gloo. Kept gathered after forward, the full weight
+    lives in a storage FSDP2 resized up; resharded, FSDP2 resizes that storage back to 0 bytes
+    (no op output says so: only the meter's resize_ hook sees it)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    lin = torch.nn.Linear(256, 256, bias=False)
-    fully_shard(lin, mesh=init_device_mesh("cpu", (world,)), reshard_after_forward=False)
-    x = torch.ones(4, 256, requires_grad=True)
-    with StepMeter("cpu", model=lin, baseline=[x]) as m:
-        y = lin(x)
-    full = 256 * 256 * 4
-    with StepMeter("cpu", model=lin, baseline=[x]) as b:
-        y.sum().backward()
-    return m.start_bytes, m.end_bytes, y.untyped_storage().nbytes(), full, b.peak_bytes
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    for reshard in (False, True):
+        lin = torch.nn.Linear(256, 256, bias=False)
+        fully_shard(lin, mesh=mesh, reshard_after_forward=reshard)
+        x = torch.ones(4, 256, requires_grad=True)
+        with StepMeter("cpu", model=lin, baseline=[x]) as m:
+            y = lin(x)
+        with StepMeter("cpu", model=lin, baseline=[x]) as b:
+            y.sum().backward()
+        out[reshard] = (m.start_bytes, m.end_bytes, m.peak_bytes, y.untyped_storage().nbytes(), b.peak_bytes)
+    return out
 
 
 def test_meter_sees_fsdp2_gathered_parameters_and_backward():
-    for start, end, out, full, bwd in run_distributed(_gather, 2):
-        assert start == 256 * 128 * 4 + 4 * 256 * 4  # the shard and x
-        assert end == start + full + out  # the gathered weight and the output
-        assert bwd >= start + full + 256 * 256 * 4  # gathered weight and its full gradient in backward
+    full = 256 * 256 * 4
+    for r in run_distributed(_gather, 2):
+        for reshard, (start, end, peak, out, bwd) in r.items():
+            assert start == 256 * 128 * 4 + 4 * 256 * 4  # the shard and x
+            assert peak >= start + full + out  # the gathered weight while the output is made
+            assert end == start + out + (0 if reshard else full)  # resharded: the full weight is gone
+            assert bwd >= start + full + 256 * 256 * 4  # gathered weight and its full gradient in backward
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
