@@ -1,9 +1,9 @@
 """Memory and FLOPs planner: what one training step needs per GPU, before anything is launched.
 
-    python bench/memory_plan.py --model qwen3-8b --seq-len 1048576 --gpus 8 --sp 8
-    python bench/memory_plan.py --model /models/Qwen3-8B --seq-len 4194304 --host-mem-gb 2048 --json
+    python -m memory.plan --model qwen3-8b --seq-len 1048576 --gpus 8 --sp 8
+    python bench/memory_plan.py --model /models/Qwen3-8B --seq-len 4194304 --host-mem-gb 2000 --json
 
-    from bench.memory_plan import plan, format_plan, max_seq_len
+    from memory.plan import plan, format_plan, max_seq_len
     p = plan(Qwen3Config.preset("qwen3-8b"), 1_048_576, gpus=8, sp=8)
     print(format_plan(p))            # what `train.py --dry-run` prints
 
@@ -13,17 +13,20 @@ tokens, and every token for heads/sp heads inside attention); each decoder layer
 input (in pinned host memory with offload) and is recomputed in backward; the MLP optionally runs
 in row tiles; a one-pass chunked cross-entropy that never builds the logits.
 
-Memory is counted per GPU for the rank holding the largest shards (FSDP2 pads every tensor's
-first dimension to a multiple of the world size). The peak is what the whole step holds
-(parameter, gradient and optimizer shards; saved inputs left on the GPU) plus the larger of two
-moments: one decoder layer's backward, or the loss. What a layer saves for backward follows
-model/qwen3.py, whose RMSNorm is the fused kind (`fused_norm=True`, the default): an
-autograd.Function that saves only its bf16 input, its weight and the fp32 rstd per row.
+It predicts what memory/meter.py measures (torch.cuda.max_memory_allocated on a GPU): the live
+tensor bytes at the step's largest moment, for the rank holding the largest shards (FSDP2 pads
+every tensor's first dimension to a multiple of the world size). The moments are the loss (in
+forward, and its backward) and four inside a recomputed layer's backward (the MLP's, the
+post-attention norm's, SDPA's, the q/k norms'), each with every tensor the code holds then: saved
+activations, gradients in flight, norm temporaries (one row chunk), the layer inputs copied back
+from host, FSDP2's gathered and prefetched units, the previous unit's fp32 reduce-scatter input
+and the gradient shards reduced so far (at the layer position where they peak). tests/
+test_memory_matrix.py checks it against the meter within 5% on CPU; `device="cuda"` adds what a
+CUDA kernel allocates inside itself (FlashAttention's fp32 dq accumulator), which no CPU meter sees.
 `fused_norm=False` models transformers' RMSNorm, or any norm left to autograd, which also saves
 an fp32 copy of its input and the normalised bf16 tensor. FLOPs count matrix products only
-(step_flops).
-Every size is arithmetic on the config: nothing is allocated and torch is not imported.
-GB here means 1e9 bytes, GiB 2**30.
+(step_flops). Every size is arithmetic on the config: nothing is allocated and torch is not
+imported. GB here means 1e9 bytes, GiB 2**30.
 """
 
 from __future__ import annotations
@@ -317,9 +320,7 @@ def layer_backward_bytes(config: Qwen3Config, tokens: int, sp: int, *, offload: 
     qk = {"residual gradient dh": X, "dq, dk, dv [t, heads, hd]": Q + 2 * Kl,
           "RMSNorm backward fp32 temporaries (one row chunk)": norm_tmp}
     # After the MLP: the post-attention norm's backward, everything of attention still saved.
-    # The MLP's input is still alive here (measured: released with the checkpoint's recomputed
-    # tensors of this norm, not with the MLP's backward).
-    post = {k: v for k, v in saved.items() if k != "MLP gate, up, act, product"}
+    post = {k: v for k, v in saved.items() if not k.startswith("MLP")}
     post.update({"output gradient dy": X, "MLP input gradient": X, "norm input gradient": X,
                  "RMSNorm backward fp32 temporaries (one row chunk)": 4 * min(t * H, norm_chunk) * 4})
     # At the product's backward the product itself is freed; the other three are in `mlp`.
@@ -361,7 +362,7 @@ def loss_bytes(config: Qwen3Config, tokens: int, *, loss_chunk: int = 256, fused
                          "hidden gradient [N, H]": X, "fp32 lm_head gradient accumulator (V x H)": V * H * 4,
                          "one chunk: fp32 logits and log-probabilities, bf16 p (+ CPU bf16 temporaries)":
                          chunk + (V * H * b if low and not fused else 0)},
-        "loss backward": {"final norm input and rstd": norm, "hidden states (final norm output)": X,
+        "loss backward": {"final norm input and rstd": norm,  # train.py drops the hidden states
                           "fp32 lm_head gradient accumulator (V x H)": V * H * 4,
                           "lm_head gradient in the weight's dtype": V * H * b,
                           "hidden gradient and its scaled copy": 2 * X},
@@ -683,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-mem-gb", type=float, default=80.0)
     ap.add_argument("--reserve-gb", type=float, default=2.0,
                     help="kept free: CUDA context, NCCL buffers, allocator slack")
-    ap.add_argument("--host-mem-gb", type=float, default=None, help="host memory per node, for what fits")
+    ap.add_argument("--host-mem-gb", type=float, default=2000.0,
+                    help="host memory per node, for what fits (an 8 x H100/H200 server has about 2 TB)")
     ap.add_argument("--tflops", type=float, default=989.0, help="dense bf16 TFLOP/s per GPU (H100 SXM: 989)")
     ap.add_argument("--mfu", type=float, default=1.0, help="fraction of --tflops assumed for the step time")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")

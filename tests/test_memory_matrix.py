@@ -85,8 +85,9 @@ def _steps(rank, world, specs):
             hidden = model(batch["input_ids"], batch["position_ids"])  # [1, T/sp, hidden]
             loss = chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch["labels"].flatten(),
                                          chunk_size=chunk, reduction="sum")
+            del hidden  # as train.py does: backward needs no hidden states
             (loss / count.to(loss.dtype)).backward()
-            del hidden, loss
+            del loss
             train.global_grad_norm(model, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -82,6 +82,7 @@ def _gather(rank, world):
     return out
 
 
+@pytest.mark.slow
 def test_meter_sees_fsdp2_gathered_parameters_and_backward():
     full = 256 * 256 * 4
     for r in run_distributed(_gather, 2):
@@ -125,6 +126,7 @@ def test_rmsnorm_chunks_same_numbers_less_memory(dtype, monkeypatch):
     print(f"{dtype}: norm forward+backward above inputs: whole {whole[3]:,} B, chunked {chunked[3]:,} B")
 
 
+@pytest.mark.slow
 def test_train_measure_memory_records_measured_and_planned(tmp_path):
     """train.py --measure-memory: each record has the meter's peak and this run's plan, and the two
     agree (the planner computed here from the same settings, independently of train.py's call)."""
