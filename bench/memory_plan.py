@@ -10,7 +10,6 @@ import sys
 if __package__ in (None, ""):  # run as `python bench/memory_plan.py`: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from memory.plan import *  # noqa: E402,F401,F403  (older imports: bench.memory_plan.plan etc.)
 from memory.plan import main  # noqa: E402
 
 if __name__ == "__main__":
