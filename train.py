@@ -26,7 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from bench.memory_plan import format_plan, plan as memory_plan, step_flops
+from memory.meter import StepMeter
+from memory.plan import format_plan, plan_for_run, step_flops
 from data import RowLoader, build_rows
 from loss.chunked_ce import chunked_cross_entropy
 from model.config import PRESETS as MODEL_PRESETS, Qwen3Config
@@ -76,6 +77,8 @@ class TrainConfig:
     cache_dir: str = "cache"  # tokenised data
     eos_token: str = ""  # separator between books; default: the tokenizer's eos token
     gpu_mem_gb: float = 80.0  # for the dry run's plan
+    host_mem_gb: float = 2000.0  # host memory per node, for the plan's longest row
+    measure_memory: bool = False  # CPU: count live tensor bytes per step (CUDA always measures)
     memory_snapshot: str = ""  # CUDA: write a memory-visualiser snapshot of step 1 here
     dry_run: bool = False
 
@@ -385,9 +388,8 @@ def dry_run(cfg: TrainConfig) -> None:
     sp, dp = check_config(cfg, mc, world, min(world, 8))
     print(json.dumps({"train": dataclasses.asdict(cfg), "model": mc.to_dict(), "gpus": world, "sp": sp, "dp": dp,
                       "tokens_per_rank": -(-cfg.seq_len // sp)}, indent=2, default=str))
-    print(format_plan(memory_plan(mc, cfg.seq_len, gpus=world, sp=sp, dp=dp, offload=cfg.offload,
-                                  tiled_mlp=cfg.tile_mlp > 0, mlp_tile=cfg.tile_mlp or None,
-                                  loss_chunk=cfg.loss_chunk, gpu_mem_gb=cfg.gpu_mem_gb, model=cfg.model)))
+    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # "auto" on a GPU: bf16
+    print(format_plan(plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")))
 
 
 def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: torch.device) -> None:
@@ -432,6 +434,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
     bar = _bar(cfg.steps, start, rank)
     first_pred = None
+    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    measure = cfg.measure_memory or device.type == "cuda"
     t_run = time.perf_counter()
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
     for step in range(start, end):
@@ -439,6 +443,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        meter = StepMeter(device, model=model, optimizer=optimizer, host=offload).start() if measure else None
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
         for g in optimizer.param_groups:
@@ -467,6 +472,9 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
                 sums[2] += (parts[0] != IGNORE).sum()
             losses = [chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, lab,
                                             chunk_size=cfg.loss_chunk, reduction="sum") for lab in parts]
+            # The loss made its gradients in forward: backward needs no hidden states (1 GiB per GPU
+            # at 1M tokens, otherwise held through every layer's backward).
+            del hidden
             (sum(losses) / count.to(losses[0].dtype)).backward()
             sums[0] += sum(x.detach() for x in losses).double()
             if pred is not None:
@@ -482,14 +490,14 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
+        peak_gb = meter.stop_all_ranks() / 1e9 if meter else None  # the largest rank's peak
         moved = offload.reset_step()  # this step's offload counters
 
         # ---- log
         tokens = int(count.item())
-        peak_gb = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
         rec = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
                "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
-               "peak_mem_gb": peak_gb, "mfu": flops / dt / (world * peak * 1e12) if peak else None}
+               "peak_mem_gb": peak_gb, "planned_peak_gb": planned.total / 1e9, "mfu": flops / dt / (world * peak * 1e12) if peak else None}
         if loss_pred is not None:
             rec["loss_predictable"] = loss_pred
         first_pred = first_pred if first_pred is not None else loss_pred
@@ -499,7 +507,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             line = (f"step {step + 1:>4}/{cfg.steps} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
                     f"{tokens:,} tok | {dt:.2f} s | {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
                     + (f" | mfu {rec['mfu']:.1%}" if rec["mfu"] else "")
-                    + (f" | peak {peak_gb:.1f} GB" if peak_gb else "")
+                    + (f" | peak {peak_gb:.3g} GB" if peak_gb else "")
                     + (f" | predictable loss {loss_pred:.4f}" if loss_pred is not None else "")
                     + (f" | offloaded {moved.d2h_bytes / 1e6:,.1f} MB" if cfg.offload else ""))
             bar.write(line)
@@ -514,6 +522,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     if metrics:
         metrics.close()
     log0(f"{end - start} steps in {time.perf_counter() - t_run:.1f} s")
+    log0(f"memory per GPU: peak {'%.4g GB measured' % peak_gb if measure else 'not measured (--measure-memory)'}, "
+         f"{planned.total / 1e9:.4g} GB planned (memory/plan.py)")
 
     # ---- save: a resumable checkpoint and the model in the Hugging Face layout
     if end < cfg.steps:

@@ -54,7 +54,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.memory_plan import load_config, step_flops
+from memory.plan import load_config, step_flops
 from model.config import Qwen3Config
 from model.qwen3 import sdpa_attention
 from model.ulysses import check_heads

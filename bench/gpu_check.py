@@ -60,7 +60,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-from bench.memory_plan import (GB, GiB, PUBLIC_RECIPE, load_config, param_shapes, plan,  # noqa: E402
+from memory.plan import (GB, GiB, PUBLIC_RECIPE, load_config, param_shapes, plan,  # noqa: E402
                                shard_numel, step_flops)
 
 PARTS = ("loss", "layers", "attention", "optimizer")
@@ -204,8 +204,9 @@ def _working_set(cfg, tokens: int, mlp_tile: int, runs: dict, esize: int) -> dic
     p = plan(cfg, tokens, gpus=1, sp=1, offload=True, tiled_mlp=True, mlp_tile=mlp_tile,
              compute_bytes=esize)
     d = p.layer_detail
-    grads = d["unsharded bf16 layer gradients"]
-    less = {"fp32 reduce-scatter input": d.get("fp32 reduce-scatter input", 0),
+    grads = esize * sum(math.prod(s) for k, s in param_shapes(cfg).items() if k.startswith("model.layers.0."))
+    less = {"fp32 reduce-scatter input": d.get("fp32 reduce-scatter input of the unit before", 0),
+            "gradient shards": d.get("gradient shards reduced so far", 0),
             "RoPE cos and sin": d.get("RoPE cos and sin (shared by all layers)", 0)}
     planned = p.layer_working_set - sum(less.values())
     out = {"planned_gb": planned / GB, "plan_layer_working_set_gb": p.layer_working_set / GB,

@@ -23,44 +23,58 @@ import torch.distributed as dist
 from model.qwen3 import sdpa_attention
 
 
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
-    """Exchange equal blocks along dim 0: block j goes to rank j; block i of the result came from rank i."""
-    x = x.contiguous()
-    out = torch.empty_like(x)  # after .contiguous(): empty_like keeps a permuted input's strides
-    dist.all_to_all_single(out, x, group=group)
+def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
+    """Exchange equal blocks along dim 0 of a contiguous tensor: block j goes to rank j; block i of
+    the result came from rank i. The caller drops `send` as soon as this returns."""
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, send, group=group)
     return out
 
 
-def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, T/sp, h, hd] -> [B, T, h/sp, hd]."""
+def seq_to_heads(x: torch.Tensor, group, repeat: int = 1) -> torch.Tensor:
+    """[B, T/sp, h, hd] -> [B, T, h*repeat/sp, hd]; repeat > 1 repeats each head `repeat` times
+    (as repeat_interleave would), written straight into the send buffer."""
     sp = dist.get_world_size(group)
     B, Ts, h, hd = x.shape
-    x = x.view(B, Ts, sp, h // sp, hd).permute(2, 0, 1, 3, 4)  # [sp(dest), B, T/sp, h/sp, hd]
-    x = _all_to_all(x, group)  # [sp(source = sequence block), B, T/sp, h/sp, hd]
-    return x.permute(1, 0, 2, 3, 4).reshape(B, sp * Ts, h // sp, hd)  # [B, T, h/sp, hd]
+    hs = h * repeat // sp
+    if repeat == 1:  # a copy unless the layout is already [sp(dest), B, T/sp, h/sp, hd]
+        send = x.view(B, Ts, sp, hs, hd).permute(2, 0, 1, 3, 4).contiguous()
+    else:  # sp = h * repeat, one head per rank: rank j gets head j // repeat
+        send = torch.empty(sp, B, Ts, hs, hd, dtype=x.dtype, device=x.device)
+        send.view(h, repeat, B, Ts, hd).copy_(x.permute(2, 0, 1, 3).unsqueeze(1))
+    out = _all_to_all(send, group)  # [sp(source = sequence block), B, T/sp, h/sp, hd]
+    del send
+    # B = 1 (training): [1, T, h/sp, hd] is the received buffer itself, no copy
+    return out.permute(1, 0, 2, 3, 4).reshape(B, sp * Ts, hs, hd)  # [B, T, h/sp, hd]
 
 
-def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """[B, T, h/sp, hd] -> [B, T/sp, h, hd]: the inverse of seq_to_heads."""
+def heads_to_seq(x: torch.Tensor, group, repeat: int = 1) -> torch.Tensor:
+    """[B, T, h/sp, hd] -> [B, T/sp, h, hd]: the inverse of seq_to_heads; with repeat > 1 (the
+    gradient of a repeated exchange) the `repeat` copies of each head are summed."""
     sp = dist.get_world_size(group)
     B, T, hs, hd = x.shape
-    x = x.view(B, sp, T // sp, hs, hd).transpose(0, 1)  # [sp(dest = sequence block), B, T/sp, h/sp, hd]
-    x = _all_to_all(x, group)  # [sp(source = head block), B, T/sp, h/sp, hd]
-    return x.permute(1, 2, 0, 3, 4).reshape(B, T // sp, sp * hs, hd)  # [B, T/sp, h, hd]
+    send = x.view(B, sp, T // sp, hs, hd).transpose(0, 1).contiguous()  # [sp(dest = sequence block), B, T/sp, h/sp, hd]
+    out = _all_to_all(send, group)  # [sp(source = head block), B, T/sp, h/sp, hd]
+    del send
+    out = out.permute(1, 2, 0, 3, 4).reshape(B, T // sp, sp * hs, hd)  # [B, T/sp, h, hd]
+    if repeat > 1:
+        out = out.view(B, T // sp, sp * hs // repeat, repeat, hd).sum(3)  # [B, T/sp, h/repeat, hd]
+    return out
 
 
 class _Exchange(torch.autograd.Function):
     """Differentiable exchange: the backward of one direction is the other direction."""
 
     @staticmethod
-    def forward(ctx, x, group, to_heads: bool):
-        ctx.group, ctx.to_heads = group, to_heads
-        return seq_to_heads(x, group) if to_heads else heads_to_seq(x, group)
+    def forward(ctx, x, group, to_heads: bool, repeat: int = 1):
+        ctx.group, ctx.to_heads, ctx.repeat = group, to_heads, repeat
+        return seq_to_heads(x, group, repeat) if to_heads else heads_to_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        back = heads_to_seq if ctx.to_heads else seq_to_heads
-        return back(grad, ctx.group), None, None
+        if ctx.to_heads:
+            return heads_to_seq(grad, ctx.group, ctx.repeat), None, None, None
+        return seq_to_heads(grad, ctx.group), None, None, None
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
@@ -86,10 +100,12 @@ class UlyssesAttention:
         if self.sp == 1:
             return sdpa_attention(q, k, v)
         check_heads(nh, nkv, self.sp)
-        if nkv < self.sp:  # e.g. sp=8 with 4 kv heads: each kv head serves two ranks
-            k = k.repeat_interleave(self.sp // nkv, dim=2)  # [B, T/sp, sp, hd]
-            v = v.repeat_interleave(self.sp // nkv, dim=2)
-        q, k, v = (_Exchange.apply(t, self.group, True) for t in (q, k, v))  # [B, T, heads/sp, hd]
+        # sp > kv heads (e.g. sp=8, 4 kv heads): each kv head serves sp/nkv ranks, repeated
+        # inside the exchange's send buffer rather than in a repeated copy of k and v first
+        r = max(1, self.sp // nkv)
+        q = _Exchange.apply(q, self.group, True)  # [B, T, nh/sp, hd]
+        k = _Exchange.apply(k, self.group, True, r)  # [B, T, max(nkv/sp, 1), hd]
+        v = _Exchange.apply(v, self.group, True, r)
         out = sdpa_attention(q, k, v)  # [B, T, nh/sp, hd], causal over the whole sequence
         return _Exchange.apply(out, self.group, False)  # [B, T/sp, nh, hd]
 

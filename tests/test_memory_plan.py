@@ -8,6 +8,7 @@ figures DESIGN.md derives by hand.
 
 import concurrent.futures
 import json
+import math
 import multiprocessing
 import os
 import subprocess
@@ -17,8 +18,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from bench.memory_plan import (GB, GiB, format_plan, layer_saved_bytes, max_seq_len, param_shapes,
-                               plan, plan_to_dict, shard_numel)
+from memory.plan import (GB, GiB, format_plan, layer_saved_bytes, max_seq_len, param_shapes,
+                         pinned_bytes, plan, plan_to_dict, shard_numel)
 from model.config import Qwen3Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,7 +198,7 @@ def test_naive_saved_inputs_are_288_gib():
 def test_design_budget_table():
     p = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
     assert round((p.param_shards + p.grad_shards + p.optimizer_states) / GB, 1) == 16.4
-    assert 0.7 * GB < p.gathered_layers < p.gathered_params < 3 * GB
+    assert 0.7 * GB < p.gathered_layers <= p.gathered_params < 3 * GB  # layer 0: it and the embedding
     # without tiling, the recompute keeps four 131,072 x 12,288 bf16 MLP intermediates (3.2 GB each)
     untiled = layer_saved_bytes(QWEN3_8B, 131_072, 8, tiled_mlp=False)
     assert untiled["MLP gate, up, act, product"] == 4 * 131_072 * 12_288 * 2
@@ -232,14 +233,19 @@ def test_max_seq_len_qwen3_8b():
     # An autograd-only RMSNorm (transformers': fp32 copy of every norm input saved) costs about a
     # third of that
     assert 2 * 2**20 < max_seq_len(QWEN3_8B, fused_norm=False, **kw) < n
-    # Host memory binds too: torch's pinned allocator rounds each layer's block up to a power of
-    # two, so a 2 TB node (DGX H100) holds exactly 4M tokens, and 1 TB holds less.
-    assert max_seq_len(QWEN3_8B, host_mem_gb=2048, **kw) == 4 * 2**20
+    # Host memory binds too: the offload pool pins each layer input in blocks of n/64 rounded down
+    # to a power of two (at most 64 MiB), so the pinned bytes are within 1/64 of the requested ones.
     capped = max_seq_len(QWEN3_8B, host_mem_gb=1000, **kw)
-    assert capped < 4 * 2**20 and plan(QWEN3_8B, capped, host_mem_gb=1000, **kw).fits_host
-    three = plan(QWEN3_8B, 3 * 2**20, **kw)  # 3.2 GB of layer input per GPU -> a 4 GiB pinned block
-    assert three.saved_inputs_host_per_gpu == 36 * 4 * GiB
+    assert capped < n and plan(QWEN3_8B, capped, host_mem_gb=1000, **kw).fits_host
+    assert not plan(QWEN3_8B, capped + 8192, host_mem_gb=1000, **kw).fits_host
+    three = plan(QWEN3_8B, 3 * 2**20, **kw)  # 3 GiB (3.2 GB) of layer input per GPU: 48 blocks of 64 MiB
+    assert three.saved_inputs_host_per_gpu == 36 * 3 * GiB
     assert three.offload_bytes_per_step == 2 * 36 * 393_216 * 4096 * 2
+    for nbytes in (1, 511, 513, 1000, 3 * 2**20 + 7, 10**9 + 1, 3 * GiB, 5 * GiB + 12345):
+        got = pinned_bytes(nbytes)
+        assert nbytes <= got and (got <= 1.02 * nbytes or nbytes < 64 * 512)  # 512 B blocks below 32 KiB
+        block = min(64 * 2**20, max(512, 2 ** math.floor(math.log2(max(1, nbytes // 64)))))
+        assert got == math.ceil(nbytes / block) * block
     assert max_seq_len(QWEN3_8B, gpus=1, sp=1, gpu_mem_gb=16) == 0  # the fp32 state alone is 131 GB
 
 

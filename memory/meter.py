@@ -1,0 +1,220 @@
+"""Peak live bytes of the device tensors of one training step, on CUDA and on CPU.
+
+    meter = StepMeter(device, model=model, optimizer=opt, host=[pool])
+    with meter:                      # one optimizer step
+        loss.backward(); opt.step()
+    meter.peak_bytes                 # what torch.cuda.max_memory_allocated would say for the step
+
+On CUDA this is torch.cuda.max_memory_allocated, reset at the start of the step. On CPU there is
+no device allocator to ask, so the meter counts what CUDA's counts: the storages of live tensors.
+A TorchDispatchMode sees every op's outputs (forward, autograd's backward, the optimizer, the
+tensors FSDP2 hands to collectives) and a weak reference on each new storage says when it dies.
+Two things are not op outputs and are caught separately:
+  * storage resizes: FSDP2 frees and re-allocates its gathered parameters with
+    `untyped_storage().resize_()`, which the meter wraps while it runs;
+  * what was live before the step: the parameters, gradients and optimizer states of the model
+    and optimizer passed in, plus any `baseline` tensors (the batch).
+Host memory on a GPU run is left out: the storages of `host` objects (an OffloadPool's buffers,
+or plain tensors) found at the end of the step are dropped from the whole timeline, so the peak
+is what the device would hold. Kernel workspaces (what a CUDA kernel allocates inside itself,
+e.g. FlashAttention's fp32 dq accumulator) are invisible here, as they are to a CPU kernel.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten
+
+GB = 1e9
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding t's data: t itself, or a subclass's (DTensor's) inner tensors."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        inner = (getattr(t, n) for n in names)
+        return [x for i in inner if isinstance(i, torch.Tensor) for x in _plain(i)]
+    return [t]
+
+
+def host_tensors(obj) -> list[torch.Tensor]:
+    """Tensors that live in host memory on a GPU run: a tensor, an OffloadPool's buffers, or lists."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in host_tensors(o)]
+    if hasattr(obj, "host_buffers"):  # an OffloadPool that lists its buffers
+        return list(obj.host_buffers())
+    if hasattr(obj, "_free"):  # model/offload.py's pool: (buffer, event) pairs by key, all free after a step
+        return [b for bufs in obj._free.values() for b, _ in bufs]
+    raise TypeError(f"host: expected tensors or an OffloadPool, got {type(obj).__name__}")
+
+
+def _where() -> str:
+    """file:line of the innermost frame in this repository (for record=True)."""
+    import sys
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if "site-packages" not in name and "meter.py" not in name and "/lib/python" not in name:
+            return f"{name.split('/')[-2]}/{name.split('/')[-1]}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
+
+
+class _Counter(TorchDispatchMode):
+    """Live bytes of every storage seen, as a timeline of (+/- bytes, storage id) events."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[int, int]] = []  # (delta bytes, id)
+        self.size: dict[int, int] = {}  # id -> bytes now, for storages still alive
+        self.ptr: dict[int, int] = {}  # id -> data_ptr, for storages still alive
+        self._ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> id
+        self._next = 0
+        self.what: dict[int, str] = {}  # id -> the op that made it (when recording)
+        self.record, self.op = False, "before the step"
+
+    def track(self, t: torch.Tensor) -> None:
+        for p in _plain(t):
+            if p.device.type != "meta":
+                if self.record:
+                    self.shape = tuple(p.shape)
+                self.track_storage(p.untyped_storage())
+
+    def track_storage(self, s) -> None:
+        i = self._ids.get(s)
+        if i is None:  # a new storage: count it until its weak reference dies
+            i = self._ids[s] = self._next
+            self._next += 1
+            self.size[i], self.ptr[i] = 0, s.data_ptr()
+            if self.record:
+                self.what[i] = f"{self.op} {getattr(self, 'shape', '')} @ {getattr(self, 'stack', '')}"
+            weakref.finalize(s, self._dead, i)
+        n = s.nbytes()
+        if n != self.size[i]:  # new, or resized in place (resize_, out= ops)
+            self.events.append((n - self.size[i], i))
+            self.size[i], self.ptr[i] = n, s.data_ptr()
+
+    def _dead(self, i: int) -> None:
+        n = self.size.pop(i, 0)
+        self.ptr.pop(i, None)
+        if n:
+            self.events.append((-n, i))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.record:
+            self.op = f"{func}"
+            self.stack = _where()
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+class StepMeter:
+    """Context manager: peak live device bytes of what runs inside it (see the module docstring).
+
+    peak_bytes: the largest sum of live device tensor bytes at any moment, the baseline included.
+    start_bytes / end_bytes: what was live when it started / ended. force_cpu_meter runs the
+    counting meter on CUDA too (for comparing it with CUDA's own count).
+    """
+
+    def __init__(self, device, *, model=None, optimizer=None, baseline=(), host=(),
+                 force_cpu_meter: bool = False, record: bool = False):
+        self.device = torch.device(device)
+        self.model, self.optimizer, self.baseline, self.host = model, optimizer, baseline, host
+        self.cuda = self.device.type == "cuda" and not force_cpu_meter
+        self.peak_bytes = self.start_bytes = self.end_bytes = 0
+        self.at_peak: list[tuple[int, str]] = []  # record=True: (bytes, op) live at the peak
+        self._counter, self.record = None, record
+
+    def _live_at_start(self) -> list[torch.Tensor]:
+        out = list(tree_flatten(list(self.baseline))[0])
+        if self.model is not None:
+            for p in self.model.parameters():
+                out += [p] + ([p.grad] if p.grad is not None else [])
+            out += [b for b in self.model.buffers()]
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return [t for t in out if isinstance(t, torch.Tensor)]
+
+    def __enter__(self) -> "StepMeter":
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+            return self
+        c = self._counter = _Counter()
+        c.record = self.record
+        for t in self._live_at_start():
+            c.track(t)
+        self._n0 = len(c.events)
+        # FSDP2 gathers parameters into storages it resizes from 0 and back: count those too.
+        self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage, size):
+            out = self._resize(storage, size)
+            if storage.device.type != "meta":
+                c.track_storage(storage)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        c.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            self.end_bytes = torch.cuda.memory_allocated(self.device)
+            return
+        c = self._counter
+        c.__exit__(*exc)
+        torch.UntypedStorage.resize_ = self._resize
+        # Host buffers (alive now) are left out of the whole timeline: drop their storage ids.
+        host_ptrs = {t.untyped_storage().data_ptr() for t in host_tensors(self.host)}
+        skip = {i for i, p in c.ptr.items() if p in host_ptrs and c.size.get(i)}
+        live = peak = 0
+        now: dict[int, int] = {}
+        for k, (d, i) in enumerate(list(c.events)):
+            if i in skip:
+                continue
+            live += d
+            if self.record:
+                now[i] = now.get(i, 0) + d
+            if k + 1 >= self._n0 and live > peak:
+                peak = live
+                if self.record:
+                    self.at_peak = sorted(((n, c.what.get(j, "?")) for j, n in now.items() if n), reverse=True)
+            if k + 1 == self._n0:
+                self.start_bytes = live
+        self.peak_bytes, self.end_bytes = peak, live
+        self._counter = None  # its finalizers still fire later, into a list nobody reads
+
+    def start(self) -> "StepMeter":
+        return self.__enter__()
+
+    def stop(self) -> int:
+        self.__exit__(None, None, None)
+        return self.peak_bytes
+
+    def stop_all_ranks(self) -> int:
+        """stop(), then the largest peak over all ranks of the default process group."""
+        import torch.distributed as dist
+
+        self.stop()
+        if dist.is_available() and dist.is_initialized():
+            t = torch.tensor([float(self.peak_bytes)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            self.peak_bytes = int(t.item())
+        return self.peak_bytes
+
+    @property
+    def peak_gb(self) -> float:
+        return self.peak_bytes / GB

@@ -1,0 +1,138 @@
+"""The planner predicts the meter: measured peak / planned peak within 5% on a CPU matrix.
+
+Each configuration runs two training steps of the real pieces (FSDP2 over gloo, Ulysses
+attention, checkpoint-with-offload, tiled MLP, the chunked loss, AdamW) in 1-4 processes; the
+second step, the steady state, is measured with memory/meter.py on every rank, and the largest
+rank's peak is compared with memory/plan.py for the same configuration. Rows are long and hidden
+sizes small, so that activations, not parameters, make the peak.
+
+    python tests/test_memory_matrix.py        # the table, worst case last
+"""
+
+import os
+import sys
+import time
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from dist_utils import run_distributed  # noqa: E402
+
+from memory.plan import NORM_CHUNK, plan  # noqa: E402
+from model.config import Qwen3Config  # noqa: E402
+
+TINY = replace(Qwen3Config.preset("tiny"), max_position_embeddings=1 << 16)  # GQA 2, head_dim 32
+ODD = replace(TINY, hidden_size=80, intermediate_size=176, num_attention_heads=6, num_key_value_heads=2,
+              head_dim=24, vocab_size=333)  # not powers of two; 3 query heads per kv head
+TIED = replace(TINY, tie_word_embeddings=True)
+# Qwen3-8B's proportions: intermediate 3 x hidden, heads x head_dim = hidden, 4 query heads per kv head
+LIKE_8B = replace(TINY, hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=2,
+                  head_dim=16, vocab_size=1024)
+# parameters a third of the peak: gathered layers, their gradients and the fp32 state count
+WIDE = replace(TINY, hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64, vocab_size=2048)
+
+# name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk[, RMSNorm chunk])
+MATRIX = {
+    "sp1": (TINY, 1, 1, 4096, "float32", True, 0, 256),
+    "sp1 bf16 tiled": (TINY, 1, 1, 2048, "bfloat16", True, 512, 256),
+    "sp2": (TINY, 2, 2, 4096, "float32", True, 0, 256),
+    "sp2 tied": (TIED, 2, 2, 4096, "float32", True, 512, 256),
+    "sp2 odd sizes": (ODD, 2, 2, 4096, "float32", True, 0, 256),
+    "sp2 bf16 norm chunks": (TINY, 2, 2, 4096, "bfloat16", True, 0, 256, 1 << 14),
+    "sp4 kv repeat tiled": (TINY, 4, 4, 8192, "float32", True, 1024, 256),
+    "dp2 x sp2 no offload tiled": (TINY, 4, 2, 4096, "float32", False, 512, 256),
+    "sp2 8B-like tiled": (LIKE_8B, 2, 2, 4096, "float32", True, 256, 128),
+    "sp2 wide params": (WIDE, 2, 2, 1024, "float32", True, 0, 256),
+}
+
+
+def _steps(rank, world, specs):
+    """Two steps per spec on this rank; returns each spec's measured peak of step 2 (bytes)."""
+    import torch.distributed as dist
+
+    import train
+    from data.loader import shard_row
+    from loss.chunked_ce import chunked_cross_entropy
+    from memory.meter import StepMeter
+    from model.offload import apply_offload
+    from model.parallel import build_mesh, build_sharded_model
+    from model.ulysses import UlyssesAttention
+
+    from model.qwen3 import _RMSNormFn
+
+    out = []
+    for cfg_dict, sp, seq_len, dtype, offload, tile, chunk, norm_chunk in specs:
+        cfg, dtype = Qwen3Config(**cfg_dict), getattr(torch, dtype)
+        _RMSNormFn.CHUNK_ELEMS = norm_chunk
+        torch.manual_seed(0)
+        mesh = build_mesh(world, sp, "cpu")
+        model, _ = build_sharded_model(cfg, mesh, device="cpu", param_dtype=dtype, progress=False)
+        model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
+        pool = apply_offload(model, offload=offload, min_bytes=0, tile_mlp=tile or None)
+        opt = train.make_optimizer(train.TrainConfig(), model, torch.device("cpu"))
+        g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+        batch = shard_row(torch.randint(0, cfg.vocab_size, (seq_len + 1,), generator=g),
+                          mesh["sp"].get_local_rank(), sp)
+        for _ in range(2):
+            meter = StepMeter("cpu", model=model, optimizer=opt, baseline=list(batch.values()), host=pool)
+            meter.start()
+            count = (batch["labels"] != -100).sum().double()
+            dist.all_reduce(count)
+            hidden = model(batch["input_ids"], batch["position_ids"])  # [1, T/sp, hidden]
+            loss = chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch["labels"].flatten(),
+                                         chunk_size=chunk, reduction="sum")
+            del hidden  # as train.py does: backward needs no hidden states
+            (loss / count.to(loss.dtype)).backward()
+            del loss
+            train.global_grad_norm(model, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            meter.stop()
+        out.append(meter.peak_bytes)
+        del model, opt, pool
+    return out
+
+
+def _spec(name):
+    s = MATRIX[name]
+    return s if len(s) == 9 else (*s, NORM_CHUNK)
+
+
+def measure(names=None) -> dict:
+    """{name: (measured, planned)} for the matrix, one group of processes per world size."""
+    names = names or list(MATRIX)
+    res = {}
+    for world in sorted({MATRIX[n][1] for n in names}):
+        group = [n for n in names if MATRIX[n][1] == world]
+        specs = [(asdict(c), sp, T, dt, off, tile, ch, nc) for c, _, sp, T, dt, off, tile, ch, nc in (_spec(n) for n in group)]
+        ranks = run_distributed(_steps, world, specs, timeout=600)
+        for k, n in enumerate(group):
+            c, _, sp, T, dt, off, tile, ch, nc = _spec(n)
+            p = plan(c, T, gpus=world, sp=sp, offload=off, tiled_mlp=tile > 0, mlp_tile=tile or None,
+                     loss_chunk=ch, compute_bytes=torch.finfo(getattr(torch, dt)).bits // 8, device="cpu",
+                     norm_chunk=nc)
+            res[n] = (max(r[k] for r in ranks), p.total)
+    return res
+
+
+@pytest.mark.slow
+def test_planned_peak_within_5_percent_of_measured():
+    res = measure()
+    worst = max(res, key=lambda n: abs(res[n][0] / res[n][1] - 1))
+    for n, (m, p) in res.items():
+        print(f"{n:28} measured {m / 1e6:8.3f} MB  planned {p / 1e6:8.3f} MB  ratio {m / p:.4f}")
+    m, p = res[worst]
+    print(f"worst: {worst}: measured / planned = {m / p:.4f}")
+    assert all(abs(m / p - 1) <= 0.05 for m, p in res.values()), res
+
+
+if __name__ == "__main__":
+    t0 = time.perf_counter()
+    res = measure(sys.argv[1:] or None)
+    for n, (m, p) in res.items():
+        print(f"{n:28} measured {m / 1e6:8.3f} MB  planned {p / 1e6:8.3f} MB  ratio {m / p:.4f}")
+    print(f"{time.perf_counter() - t0:.1f} s")
