@@ -243,6 +243,11 @@ class OffloadPool:
         self._reserved += int(count) * n
         return {"blocks": blocks, "pinned_bytes": blocks * b, "seconds": time.perf_counter() - t0}
 
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The free host blocks (after a step: all of them). A memory meter leaves them out of the
+        device's bytes, since on a GPU run they are pinned host memory."""
+        return [blk for blocks in self._free.values() for blk, _ in blocks]
+
     def close(self) -> None:
         """Drop the free host blocks (blocks still in use are dropped when their graph dies)."""
         self._release_pending()
