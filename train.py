@@ -25,7 +25,14 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
+# Stop signals (what schedulers send before they preempt) are only noted: the step loop finishes the
+# step, saves and leaves. Installed before torch's slow import, so one that comes early is kept too.
+STOP: list[str] = []
+if __name__ == "__main__":
+    for _sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_sig, lambda num, frame: STOP.append(signal.Signals(num).name))
+
+import torch  # noqa: E402 (after the signal handlers on purpose)
 import torch.distributed as dist
 
 from bench.memory_plan import format_plan, plan as memory_plan, step_flops
@@ -200,7 +207,6 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 # ---------------------------------------------------------------------------------------------
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 EXTRA_MODELS = {"demo": DEMO_MODEL}
-STOP: list[str] = []  # names of the stop signals received; the step loop checks it on every rank
 # Test hook: 1-based steps whose loss is made NaN, to test the non-finite step path without a model
 # that really diverges (which no tiny float32 run does on cue).
 NONFINITE_TEST_STEPS = {int(x) for x in os.environ.get("TRAIN_TEST_NONFINITE_STEPS", "").split(",") if x}
@@ -221,8 +227,6 @@ def main(argv=None) -> None:
     lock = open_run_dir(cfg, probe=cfg.check_only) if int(os.environ.get("RANK", 0)) == 0 else None
     if cfg.check_only:
         return
-    for sig in (signal.SIGTERM, signal.SIGUSR1):  # what schedulers send before they preempt
-        signal.signal(sig, lambda num, frame: STOP.append(signal.Signals(num).name))
     rank, world, local_world, device = init_distributed()
     try:
         train(cfg, rank, world, local_world, device)
