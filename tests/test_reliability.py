@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -109,31 +108,49 @@ def _cases(d):
          [str(d / "moe" / "config.json"), "not a dense Qwen3", "Qwen/Qwen3-8B"]),
         (["--model", str(d / "noweights"), "--data", f"tokens:{d / 'tokens.npy'}"], ["--model", "no .safetensors"]),
         (["--model", str(d / "nothere")], ["--model", "no such directory", "preset"]),
-        (model[:2] + ["--data", f"tokens:{d / 'negative.npy'}", "--seq-len", "32"],
+        (model[:2] + ["--data", f"tokens:{d / 'negative.npy'}", "--seq-len", "32", "--steps", "2"],
          ["negative.npy", "token id -1", "re-tokenise"]),
-        (model[:2] + ["--data", f"tokens:{d / 'floats.npy'}", "--seq-len", "32"], ["floats.npy", "not integer"]),
+        (model[:2] + ["--data", f"tokens:{d / 'floats.npy'}", "--seq-len", "32", "--steps", "2"],
+         ["floats.npy", "not integer"]),
         (model[:2] + ["--data", f"tokens:{d / 'tokens.npy'}", "--seq-len", "64", "--steps", "4"],
          ["tokens.npy", "shorter seq_len"]),
         (["--model", "qwen3-0.6b", "--data", str(d)], ["--data", "tokenizer", "--data tokens:"]),
     ]
 
 
-@pytest.mark.slow
+# Runs each case as `python train.py ...` does (runpy as __main__, so the same exit path), all in
+# one process: torch's import is paid once, not once per case.
+DRIVER = r"""
+import contextlib, io, json, runpy, sys
+results = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv, err, std, code = ["train.py", *argv], io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+        try:
+            runpy.run_path("train.py", run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    results.append([code, err.getvalue(), std.getvalue()])
+print(json.dumps(results))
+"""
+
+
 def test_bad_flags_and_files_exit_2_with_one_line_and_read_no_weights(files, tmp_path):
     cases = _cases(files)
-
-    def one(i):
-        flags, words = cases[i]
-        p = run([*flags] + ([] if "--out" in flags else ["--out", str(tmp_path / f"o{i}")]), timeout=90)
-        return flags, words, p
-
-    with ThreadPoolExecutor(2) as pool:  # two at a time: each is mostly Python start-up
-        results = list(pool.map(one, range(len(cases))))
-    for flags, words, p in results:
-        lines = [x for x in p.stderr.splitlines() if x.strip()]
-        assert p.returncode == 2 and len(lines) == 1, (flags, p.returncode, p.stderr[-3000:])
+    argvs = [flags + ([] if "--out" in flags else ["--out", str(tmp_path / f"o{i}")]) for i, (flags, _) in
+             enumerate(cases)]
+    p = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(argvs)], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for (flags, words), (code, stderr, stdout) in zip(cases, json.loads(p.stdout.splitlines()[-1])):
+        lines = [x for x in stderr.splitlines() if x.strip()]
+        assert code == 2 and len(lines) == 1, (flags, code, stderr[-3000:])
         assert lines[0].startswith("error: ") and all(w in lines[0] for w in words), (flags, lines[0])
-        assert "model ready" not in p.stdout and not os.path.exists(tmp_path / "o0" / "metrics.jsonl")
+        assert "model ready" not in stdout
+    assert not any(os.path.exists(tmp_path / f"o{i}" / "metrics.jsonl") for i in range(len(cases)))
+    # and once as a plain process, for the exit code the shell sees
+    p = run(argvs[0])
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "--lr" in p.stderr
 
 
 @pytest.mark.slow
