@@ -3,6 +3,8 @@
 #   With GPUs: the qwen3-8b-1m recipe on every GPU of this node (override anything, e.g. --model DIR).
 #   Without:   the CPU demo on 2 processes.
 #   Several nodes: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT as torchrun knows them.
+#   Stopping for later: SIGTERM or SIGUSR1 to this script; the step finishes, a checkpoint is
+#   written, exit 0; the same command with --resume auto continues.
 set -euo pipefail
 cd "$(dirname "$0")"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # 1 GB+ tensors, no fragmentation

@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 8 train.py --preset qwen3-8b-1m --model /models/Qwen3-8B
     python train.py --preset demo --steps 20                   # one CPU process
     python train.py --preset qwen3-8b-1m --dry-run             # resolved config and memory plan, nothing loaded
+    python train.py --preset demo --check-only                 # every check (flags, model, data, --out), then exit
 
 Sections: config | distributed init | optimizer | main: checks | model | data | resume | steps | save.
 Every check runs before the process group and before any weight is read (run/checks.py); the run
@@ -43,7 +44,7 @@ from model.offload import apply_offload
 from model.parallel import build_mesh, build_sharded_model
 from model.ulysses import UlyssesAttention
 from run.checkpoint import DiskSpaceError, find_checkpoint, load_checkpoint, save_checkpoint, trim_metrics
-from run.checks import check_flags, check_run, open_run_dir, resolve_model
+from run.checks import check_flags, check_layout, check_run, open_run_dir, resolve_model
 
 IGNORE = -100
 
@@ -245,7 +246,6 @@ def dry_run(cfg: TrainConfig) -> None:
     if mc is None:
         raise ConfigError(f"--model {cfg.model}: its shapes are unknown without a download; for a dry run pass a "
                           f"directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})")
-    from run.checks import check_layout
     sp, dp = check_layout(cfg, mc, world, min(world, 8))
     print(json.dumps({"train": dataclasses.asdict(cfg), "model": mc.to_dict(), "gpus": world, "sp": sp, "dp": dp,
                       "tokens_per_rank": -(-cfg.seq_len // sp)}, indent=2, default=str))
@@ -373,15 +373,17 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         # ---- log
         tokens = int(count.item())
         peak_gb = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
-        rec = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+        # A skipped step's NaN/inf is written as null: strict JSON readers (jq, JavaScript) have no NaN.
+        rec = {"step": step + 1, "loss": loss if math.isfinite(loss) else None,
+               "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr, "tokens": tokens,
                "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
                "peak_mem_gb": peak_gb, "mfu": flops / dt / (world * peak * 1e12) if peak else None,
                "skipped": bad, "nonfinite_steps": bad_total}
         if loss_pred is not None:
-            rec["loss_predictable"] = loss_pred
+            rec["loss_predictable"] = loss_pred if math.isfinite(loss_pred) else None
         first_pred = first_pred if first_pred is not None or bad else loss_pred
         if rank == 0:
-            metrics.write(json.dumps(rec) + "\n")  # json writes NaN/Infinity for a skipped step
+            metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
             line = (f"step {step + 1:>4}/{cfg.steps} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
                     f"{tokens:,} tok | {dt:.2f} s | {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"

@@ -10,7 +10,8 @@ Sources (see data/sources.py for text):
                         cached under cache_dir, rebuilt when the source, tokenizer, seq_len, seed
                         or eos token change; more rows than cached -> rebuilt, fewer -> a prefix
     "tokens:FILE.npy"   a token array used as is (memory-mapped): its rows if they are seq_len + 1
-                        long, otherwise its flat contents cut into consecutive slices
+                        long, otherwise its flat contents cut into consecutive slices; integer ids
+                        only, and with vocab_size every id used must lie in [0, vocab_size)
     "synthetic:copy"    the long-range copy task of data/synthetic.py; needs vocab_size (or a
                         tokenizer, whose base vocabulary is used); rows.predictable(i) marks the
                         labels that can be predicted
