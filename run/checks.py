@@ -198,8 +198,8 @@ def check_data(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, n
         eos_id(tok, cfg.eos_token or None)
     except ConfigError:
         raise
-    except (ValueError, OSError, TypeError) as e:
-        raise ConfigError(f"--data {src}: {e}") from None
+    except (ValueError, OSError, TypeError) as e:  # data/ names the source itself; say it is --data
+        raise ConfigError(f"--data {e}" if str(e).startswith(src) else f"--data {src}: {e}") from None
     if len(tok) > mc.vocab_size:
         raise ConfigError(f"the tokenizer in {model_dir} has {len(tok):,} tokens but the model's vocabulary is "
                           f"{mc.vocab_size:,}: they do not belong together; pass the model's own directory")
