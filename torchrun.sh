@@ -3,6 +3,8 @@
 #   With GPUs: the qwen3-8b-1m recipe on every GPU of this node (override anything, e.g. --model DIR).
 #   Without:   the CPU demo on 2 processes.
 #   Several nodes: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT as torchrun knows them.
+#   Stopping for later: SIGTERM or SIGUSR1 to this script; the step finishes, a checkpoint is
+#   written, exit 0; the same command with --resume auto continues.
 set -euo pipefail
 cd "$(dirname "$0")"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # 1 GB+ tensors, no fragmentation
@@ -18,7 +20,26 @@ else
 fi
 # A preset given on the command line wins over the default one.
 for a in "$@"; do [ "$a" = "--preset" ] && preset=(); done
-exec python3 -m torch.distributed.run \
+args=("${preset[@]}" "$@")
+
+# Every check once, in one process, before N start: a bad flag, config or token file costs a
+# second and prints one line (exit 2), not one traceback per rank. Node 0 also checks --out.
+RANK=$(( ${NODE_RANK:-0} * nproc )) WORLD_SIZE=$(( nproc * ${NNODES:-1} )) LOCAL_WORLD_SIZE=$nproc \
+  python3 train.py --check-only "${args[@]}" || exit $?
+
+python3 -m torch.distributed.run \
   --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$nproc" \
   --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
-  train.py "${preset[@]}" "$@"
+  train.py "${args[@]}" &
+pid=$!
+# Preemption: schedulers send SIGTERM or SIGUSR1 (e.g. sbatch --signal=B:USR1@300) to this script.
+# torchrun would pass SIGTERM on and kill the workers 30 s later, mid-step; instead the signal goes
+# straight to the workers (torchrun's children), which finish the step, save a checkpoint and exit 0.
+forward() { pkill "-$1" -P "$pid" 2>/dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+while true; do
+  wait "$pid" && rc=0 || rc=$?
+  kill -0 "$pid" 2>/dev/null || break  # wait also returns when a trapped signal arrives
+done
+exit "$rc"

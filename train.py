@@ -4,8 +4,11 @@
     torchrun --nproc-per-node 8 train.py --preset qwen3-8b-1m --model /models/Qwen3-8B
     python train.py --preset demo --steps 20                   # one CPU process
     python train.py --preset qwen3-8b-1m --dry-run             # resolved config and memory plan, nothing loaded
+    python train.py --preset demo --check-only                 # every check (flags, model, data, --out), then exit
 
-Sections: config | distributed init | checks | model | data | optimizer | checkpoints | steps | save.
+Sections: config | distributed init | optimizer | main: checks | model | data | resume | steps | save.
+Every check runs before the process group and before any weight is read (run/checks.py); the run
+holds a lock on --out (run/rundir.py); checkpoints are checked, rotated and resumed by run/checkpoint.py.
 Each sp group of GPUs shares one row (Ulysses: every GPU holds T/sp tokens), dp groups take
 different rows, and FSDP2 shards the parameters over all of them.
 """
@@ -17,23 +20,32 @@ import dataclasses
 import json
 import math
 import os
-import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
+# Stop signals (what schedulers send before they preempt) are only noted: the step loop finishes the
+# step, saves and leaves. Installed before torch's slow import, so one that comes early is kept too.
+STOP: list[str] = []
+if __name__ == "__main__":
+    for _sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(_sig, lambda num, frame: STOP.append(signal.Signals(num).name))
+
+import torch  # noqa: E402 (after the signal handlers on purpose)
 import torch.distributed as dist
 
 from memory.meter import StepMeter
 from memory.plan import format_plan, plan_for_run, step_flops
 from data import RowLoader, build_rows
 from loss.chunked_ce import chunked_cross_entropy
-from model.config import PRESETS as MODEL_PRESETS, Qwen3Config
+from model.config import PRESETS as MODEL_PRESETS, ConfigError
 from model.offload import apply_offload
 from model.parallel import build_mesh, build_sharded_model
-from model.ulysses import UlyssesAttention, check_heads
+from model.ulysses import UlyssesAttention
+from run.checkpoint import DiskSpaceError, find_checkpoint, load_checkpoint, save_checkpoint, trim_metrics
+from run.checks import check_flags, check_layout, check_run, open_run_dir, resolve_model
 
 IGNORE = -100
 
@@ -70,10 +82,13 @@ class TrainConfig:
     out: str = "runs/latest"
     metrics_file: str = ""  # default: OUT/metrics.jsonl
     save_every: int = 0  # resumable checkpoint every N steps; 0 = only at the end
+    keep_checkpoints: int = 2  # the newest N checkpoints stay; older ones go once a newer one is complete; 0 = all
     save_final: bool = True  # the model in the Hugging Face layout at OUT/final
     save_dtype: str = "bfloat16"  # dtype of the final safetensors
     stop_after: int = 0  # leave after this many steps of this launch (a time-limited job); resume later
-    resume: str = ""  # "auto" (latest in OUT/checkpoints) or a checkpoint directory
+    resume: str = ""  # "auto" (newest loadable in OUT/checkpoints, or a fresh start) or a checkpoint directory
+    overwrite: bool = False  # a fresh run into an --out with an earlier run: move that one to OUT.old-<time>
+    max_bad_steps: int = 3  # stop (with a checkpoint) after this many non-finite steps in a row
     cache_dir: str = "cache"  # tokenised data
     eos_token: str = ""  # separator between books; default: the tokenizer's eos token
     gpu_mem_gb: float = 80.0  # for the dry run's plan
@@ -81,6 +96,7 @@ class TrainConfig:
     measure_memory: bool = False  # CPU: count live tensor bytes per step (CUDA always measures)
     memory_snapshot: str = ""  # CUDA: write a memory-visualiser snapshot of step 1 here
     dry_run: bool = False
+    check_only: bool = False  # run every check (flags, model, data, --out) in this process and exit
 
 
 PRESETS = {
@@ -98,15 +114,18 @@ PRESETS = {
                  decay="constant", dtype="float32", offload=True, offload_min_bytes=0, tile_mlp=128,
                  loss_chunk=64, loss_on="predictable", out="runs/demo", save_every=200),
 }
-# Model shapes known without a download (dry runs); "demo" is a 4-layer Qwen3 for CPUs.
-KNOWN_MODELS = {"Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-1.7B": "qwen3-1.7b", "Qwen/Qwen3-4B": "qwen3-4b",
-                "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3-14B": "qwen3-14b", "Qwen/Qwen3-32B": "qwen3-32b"}
+# "demo" is a 2-layer Qwen3 for CPUs.
 DEMO_MODEL = dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=64, hidden_size=128, intermediate_size=256,
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other refusal (not usage + error)
+        self.exit(2, f"error: {message}; see python train.py -h\n")
+
+
 def parse_args(argv=None) -> TrainConfig:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -117,10 +136,6 @@ def parse_args(argv=None) -> TrainConfig:
     a = vars(p.parse_args(argv))
     base = PRESETS.get(a.pop("preset") or "", {})
     return TrainConfig(**{**base, **{k: v for k, v in a.items() if v is not None}})
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; raised before anything heavy happens."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,115 +167,6 @@ def _free_port() -> int:
 def log0(*args):
     if int(os.environ.get("RANK", "0")) == 0:
         print(*args, flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checks and resolution: everything that can fail does so here, before any heavy work
-# ---------------------------------------------------------------------------------------------
-def resolve_model(cfg: TrainConfig, *, download: bool) -> tuple[Qwen3Config, str | None]:
-    """The model's config and its weights directory (None: random init from a preset)."""
-    name = cfg.model
-    if name == "demo":
-        mc, path = DEMO_MODEL, None
-    elif name in MODEL_PRESETS:
-        mc, path = MODEL_PRESETS[name], None
-    elif os.path.isdir(name):
-        mc, path = Qwen3Config.from_hf(name), name
-    elif os.path.sep in name.strip("/") and name.count("/") == 1 and not name.startswith((".", "/")):
-        if not download and name in KNOWN_MODELS:  # dry run: shapes only
-            mc, path = MODEL_PRESETS[KNOWN_MODELS[name]], None
-        else:
-            path = _download(name)
-            mc = Qwen3Config.from_hf(path)
-    else:
-        raise ConfigError(f"--model {name!r}: no such directory, preset ({', '.join(sorted(MODEL_PRESETS))}, demo) "
-                          f"or hub id (owner/name)")
-    if cfg.yarn_factor:
-        mc = mc.with_yarn(cfg.yarn_factor, cfg.yarn_original)
-    return mc, path
-
-
-def _download(repo_id: str) -> str:
-    """A hub id, fetched once per node (local rank 0), then shared."""
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as e:
-        raise ConfigError(f"--model {repo_id}: huggingface_hub is not installed; download the model and pass "
-                          f"its directory") from e
-    patterns = ["*.json", "*.safetensors", "*.txt", "tokenizer*"]
-    path, err = None, None
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        try:
-            path = snapshot_download(repo_id, allow_patterns=patterns)
-        except Exception as e:  # offline, gated, misspelt: say so in one line
-            err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    if dist.is_initialized():
-        box = [err]
-        dist.broadcast_object_list(box, src=0)
-        err = box[0]
-        if err is None and path is None:
-            path = snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
-    if err:
-        raise ConfigError(f"--model {repo_id}: could not fetch it from the Hugging Face hub ({err}). Without a "
-                          f"network, download it elsewhere and pass the local directory.")
-    return path
-
-
-def check_config(cfg: TrainConfig, mc: Qwen3Config, world: int, local_world: int) -> tuple[int, int]:
-    """(sp, dp) for this launch, or a ConfigError that says what to change."""
-    sp = cfg.sp or local_world
-    if sp < 1 or world % sp:
-        raise ConfigError(f"--sp {sp} does not divide the {world} processes; use a divisor of {world}")
-    if sp > local_world:
-        raise ConfigError(f"--sp {sp} is larger than the {local_world} processes of one node; sequence "
-                          f"parallelism stays inside a node")
-    check_heads(mc.num_attention_heads, mc.num_key_value_heads, sp)
-    if cfg.seq_len < sp:
-        raise ConfigError(f"--seq-len {cfg.seq_len} is shorter than sp={sp}: every rank needs a token")
-    if cfg.grad_accum < 1 or cfg.steps < 1 or cfg.loss_chunk < 1:
-        raise ConfigError("--steps, --grad-accum and --loss-chunk must be positive")
-    if cfg.loss_on not in ("all", "predictable"):
-        raise ConfigError(f"--loss-on {cfg.loss_on!r}: use all or predictable")
-    if cfg.loss_on == "predictable" and not cfg.data.startswith("synthetic:"):
-        raise ConfigError("--loss-on predictable needs a synthetic source (--data synthetic:...): only they mark "
-                          "which labels are predictable")
-    if cfg.decay not in ("cosine", "linear", "constant"):
-        raise ConfigError(f"--decay {cfg.decay!r}: use cosine, linear or constant")
-    if cfg.seq_len > mc.max_position_embeddings:
-        log0(f"warning: --seq-len {cfg.seq_len:,} exceeds the model's max_position_embeddings "
-             f"({mc.max_position_embeddings:,}); long-context runs want --yarn-factor")
-    return sp, world // sp
-
-
-def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    if name not in ("bfloat16", "float32", "float16"):
-        raise ConfigError(f"--dtype {cfg.dtype!r}: use bfloat16, float32 or auto")
-    return getattr(torch, name)
-
-
-def load_rows(cfg: TrainConfig, mc: Qwen3Config, model_dir: str | None, num_rows: int):
-    """The training rows (tokenised once per node into the cache) and a check of their ids."""
-    text = not cfg.data.startswith(("synthetic:", "tokens:"))
-    if text:
-        if model_dir is None:
-            raise ConfigError(f"--data {cfg.data} is text: it needs the model's tokenizer, so --model must be a "
-                              f"model directory or hub id, not a preset")
-        from data.encode import load_tokenizer
-        tokenizer = load_tokenizer(model_dir)
-        if len(tokenizer) > mc.vocab_size:
-            raise ConfigError(f"the tokenizer in {model_dir} has {len(tokenizer):,} tokens but the model's vocabulary "
-                              f"is {mc.vocab_size:,}: they do not belong together")
-    # The directory, not the loaded tokenizer, keys the cache; whichever rank builds shows the bar.
-    rows = build_rows(cfg.data, model_dir, cfg.seq_len, num_rows, cache_dir=cfg.cache_dir, seed=cfg.seed,
-                      vocab_size=mc.vocab_size, eos_token=cfg.eos_token or None, progress=True)
-    if cfg.data.startswith("tokens:"):
-        import numpy as np
-        top = int(np.asarray(rows.tokens[:num_rows]).max())
-        if top >= mc.vocab_size:
-            raise ConfigError(f"--data {cfg.data} holds token id {top}, outside the model's vocabulary of "
-                              f"{mc.vocab_size:,}")
-    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,91 +207,49 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Resumable checkpoints (torch.distributed.checkpoint), complete or absent
-# ---------------------------------------------------------------------------------------------
-def save_checkpoint(out: str, step: int, model, optimizer, loader: RowLoader, rank: int) -> str:
-    """Written under a .tmp name and renamed once every rank has finished: a crash mid-save never
-    leaves a directory that looks like a checkpoint."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    final = os.path.join(out, "checkpoints", f"step_{step:06d}")
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-    extra = {"step": step, "loader": loader.state_dict(), "cpu_rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
-    torch.save(extra, os.path.join(tmp, f"extra_rank{rank:05d}.pt"))
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        with open(os.path.join(out, "checkpoints", "LATEST.tmp"), "w") as f:
-            f.write(os.path.basename(final))
-        os.replace(os.path.join(out, "checkpoints", "LATEST.tmp"), os.path.join(out, "checkpoints", "LATEST"))
-    dist.barrier()
-    return final
-
-
-def find_checkpoint(cfg: TrainConfig) -> str | None:
-    if not cfg.resume:
-        return None
-    if cfg.resume != "auto":
-        if not os.path.isdir(cfg.resume) or cfg.resume.endswith(".tmp"):
-            raise ConfigError(f"--resume {cfg.resume}: not a complete checkpoint directory")
-        return cfg.resume
-    root = os.path.join(cfg.out, "checkpoints")
-    latest = os.path.join(root, "LATEST")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            return os.path.join(root, f.read().strip())
-    return None  # nothing yet: start from the beginning
-
-
-def load_checkpoint(path: str, model, optimizer, loader: RowLoader, rank: int) -> int:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    files = sorted(f for f in os.listdir(path) if f.startswith("extra_rank"))
-    extra = torch.load(os.path.join(path, files[min(rank, len(files) - 1)]), weights_only=False)
-    loader.load_state_dict(extra["loader"])
-    torch.set_rng_state(extra["cpu_rng"])
-    if extra["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(extra["cuda_rng"])
-    return int(extra["step"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Main
+# Main: checks, then the process group, then the run
 # ---------------------------------------------------------------------------------------------
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+EXTRA_MODELS = {"demo": DEMO_MODEL}
+# Test hook: 1-based steps whose loss is made NaN, to test the non-finite step path without a model
+# that really diverges (which no tiny float32 run does on cue).
+NONFINITE_TEST_STEPS = {int(x) for x in os.environ.get("TRAIN_TEST_NONFINITE_STEPS", "").split(",") if x}
+
+
+class RunStopped(RuntimeError):
+    """The run cannot go on (non-finite steps); what was good is saved and the message says how on."""
 
 
 def main(argv=None) -> None:
     cfg = parse_args(argv)
     if cfg.dry_run:  # no process group, no downloads, no weights
         return dry_run(cfg)
+    # Every process checks everything before the process group: a bad flag costs a second, not a
+    # model load. Rank 0 then takes the lock on --out for the whole run.
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    check_run(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), extra_models=EXTRA_MODELS)
+    lock = open_run_dir(cfg, probe=cfg.check_only) if int(os.environ.get("RANK", 0)) == 0 else None
+    if cfg.check_only:
+        return
     rank, world, local_world, device = init_distributed()
     try:
         train(cfg, rank, world, local_world, device)
         dist.barrier()  # nobody tears down the group while another rank still saves
     finally:
         dist.destroy_process_group()
+        if lock:
+            lock.release()
 
 
 def dry_run(cfg: TrainConfig) -> None:
     # Under torchrun: its world; else this machine's GPUs; else the recipe's node of 8.
     world = int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 8
-    mc, _ = resolve_model(cfg, download=False)
-    sp, dp = check_config(cfg, mc, world, min(world, 8))
+    check_flags(cfg)
+    mc, _ = resolve_model(cfg, download=False, weights=False, extra_models=EXTRA_MODELS)
+    if mc is None:
+        raise ConfigError(f"--model {cfg.model}: its shapes are unknown without a download; for a dry run pass a "
+                          f"directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})")
+    sp, dp = check_layout(cfg, mc, world, min(world, 8))
     print(json.dumps({"train": dataclasses.asdict(cfg), "model": mc.to_dict(), "gpus": world, "sp": sp, "dp": dp,
                       "tokens_per_rank": -(-cfg.seq_len // sp)}, indent=2, default=str))
     dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # "auto" on a GPU: bf16
@@ -394,15 +258,20 @@ def dry_run(cfg: TrainConfig) -> None:
 
 def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: torch.device) -> None:
     torch.manual_seed(cfg.seed)
-    mc, model_dir = resolve_model(cfg, download=True)
-    sp, dp = check_config(cfg, mc, world, local_world)
-    dtype = compute_dtype(cfg, device)
+    # Again with the process group: a hub id is downloaded now (once per node), then checked.
+    mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True, extra_models=EXTRA_MODELS)
+    dtype = getattr(torch, cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32"))
     rows_needed = cfg.steps * cfg.grad_accum * dp
     log0(json.dumps({"train": dataclasses.asdict(cfg), "model_dir": model_dir, "world": world, "sp": sp, "dp": dp,
                      "tokens_per_rank": -(-cfg.seq_len // sp), "dtype": str(dtype)}, indent=2, default=str))
+    if cfg.seq_len > mc.max_position_embeddings:
+        log0(f"warning: --seq-len {cfg.seq_len:,} exceeds the model's max_position_embeddings "
+             f"({mc.max_position_embeddings:,}); long-context runs want --yarn-factor")
 
-    # ---- data first: a missing corpus should fail before minutes of weight loading
-    rows = load_rows(cfg, mc, model_dir, rows_needed)
+    # ---- data first: a missing corpus should fail before minutes of weight loading. Text is
+    # tokenised once per node into the cache; whichever rank builds shows the bar.
+    rows = build_rows(cfg.data, model_dir, cfg.seq_len, rows_needed, cache_dir=cfg.cache_dir, seed=cfg.seed,
+                      vocab_size=mc.vocab_size, eos_token=cfg.eos_token or None, progress=True)
 
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
     mesh = build_mesh(world, sp, device.type)
@@ -417,23 +286,31 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     loader = RowLoader(rows, dp_rank, dp, sp_rank, sp, device=device)
     optimizer = make_optimizer(cfg, model, device)
 
-    # ---- resume
-    start = 0
-    ckpt = find_checkpoint(cfg)
+    # ---- resume: the newest checkpoint that is whole; metrics.jsonl cut back to its step
+    start, ckpt = 0, cfg.resume if cfg.resume not in ("", "auto") else None
+    if cfg.resume == "auto":
+        ckpt, skipped = find_checkpoint(cfg.out)
+        for name, why in skipped:
+            log0(f"resume: skipped {name}: {why}")
+        if ckpt is None:
+            log0(f"resume: no loadable checkpoint in {cfg.out}/checkpoints; starting at step 0")
     if ckpt:
         start = load_checkpoint(ckpt, model, optimizer, loader, rank)
         log0(f"resumed from {ckpt} at step {start}")
+    metrics_path = cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl")
+    metrics = None
+    if rank == 0:
+        if cfg.resume and trim_metrics(metrics_path, start):
+            log0(f"resume: {metrics_path} cut back to step {start}")
+        metrics = open(metrics_path, "a" if cfg.resume else "w")
 
     # ---- the steps
-    os.makedirs(cfg.out, exist_ok=True)
-    metrics_path = cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl")
-    metrics = open(metrics_path, "a" if start else "w") if rank == 0 else None
     # MFU counts model FLOPs the usual way: no recomputation, backward = 2x forward (attention
     # included; FlashAttention's own recompute is overhead, as is ours)
     flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
     peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
     bar = _bar(cfg.steps, start, rank)
-    first_pred = None
+    first_pred, saved_at, bad_run, bad_total, step = None, start, 0, 0, start - 1
     planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
     measure = cfg.measure_memory or device.type == "cuda"
     t_run = time.perf_counter()
@@ -458,7 +335,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         count = torch.stack([(b["labels"] != IGNORE).sum() for b in micro]).sum().to(torch.float64)
         dist.all_reduce(count)
         count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, predictable sum, predictable count
+        # loss sum, predictable sum, predictable count, stop signals: one all-reduce for all four
+        sums = torch.zeros(4, dtype=torch.float64, device=device)
         for b in micro:
             hidden = model(b["input_ids"], b["position_ids"])  # [1, T/sp, hidden]
             labels = b["labels"].flatten()
@@ -472,6 +350,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
                 sums[2] += (parts[0] != IGNORE).sum()
             losses = [chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, lab,
                                             chunk_size=cfg.loss_chunk, reduction="sum") for lab in parts]
+            if step + 1 in NONFINITE_TEST_STEPS:
+                losses = [x * math.nan for x in losses]
             # The loss made its gradients in forward: backward needs no hidden states (1 GiB per GPU
             # at 1M tokens, otherwise held through every layer's backward).
             del hidden
@@ -479,11 +359,16 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             sums[0] += sum(x.detach() for x in losses).double()
             if pred is not None:
                 sums[1] += losses[0].detach().double()
-        grad_norm = global_grad_norm(model, cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        sums[3] = len(STOP)
         dist.all_reduce(sums)
         loss = float(sums[0] / count)
+        grad_norm = global_grad_norm(model, cfg.grad_clip)
+        # A non-finite loss or gradient norm (the same on every rank) leaves weights and AdamW as they were.
+        bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        bad_run, bad_total = (bad_run + 1, bad_total + 1) if bad else (0, bad_total)
+        if not bad:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         loss_pred = float(sums[1] / sums[2]) if sums[2] > 0 else None
         if cfg.loss_on == "predictable":
             loss_pred = loss  # every counted label is a predictable one
@@ -495,12 +380,15 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
 
         # ---- log
         tokens = int(count.item())
-        rec = {"step": step + 1, "loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens,
+        # A skipped step's NaN/inf is written as null: strict JSON readers (jq, JavaScript) have no NaN.
+        rec = {"step": step + 1, "loss": loss if math.isfinite(loss) else None,
+               "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr, "tokens": tokens,
                "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
-               "peak_mem_gb": peak_gb, "planned_peak_gb": planned.total / 1e9, "mfu": flops / dt / (world * peak * 1e12) if peak else None}
+               "peak_mem_gb": peak_gb, "planned_peak_gb": planned.total / 1e9, "mfu": flops / dt / (world * peak * 1e12) if peak else None,
+               "skipped": bad, "nonfinite_steps": bad_total}
         if loss_pred is not None:
-            rec["loss_predictable"] = loss_pred
-        first_pred = first_pred if first_pred is not None else loss_pred
+            rec["loss_predictable"] = loss_pred if math.isfinite(loss_pred) else None
+        first_pred = first_pred if first_pred is not None or bad else loss_pred
         if rank == 0:
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
@@ -509,30 +397,43 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
                     + (f" | mfu {rec['mfu']:.1%}" if rec["mfu"] else "")
                     + (f" | peak {peak_gb:.3g} GB" if peak_gb else "")
                     + (f" | predictable loss {loss_pred:.4f}" if loss_pred is not None else "")
-                    + (f" | offloaded {moved.d2h_bytes / 1e6:,.1f} MB" if cfg.offload else ""))
+                    + (f" | offloaded {moved.d2h_bytes / 1e6:,.1f} MB" if cfg.offload else "")
+                    + (f" | NON-FINITE, skipped ({bad_run} in a row)" if bad else ""))
             bar.write(line)
             bar.update(1)
         if step == start and cfg.memory_snapshot and device.type == "cuda":
             torch.cuda.memory._dump_snapshot(f"{cfg.memory_snapshot}.rank{rank}.pickle")
             torch.cuda.memory._record_memory_history(enabled=None)
+        if bad_run >= cfg.max_bad_steps:  # the weights are still the last good step's: keep them
+            path = save_checkpoint(cfg.out, step + 1, model, optimizer, loader, rank, keep=cfg.keep_checkpoints)
+            raise RunStopped(f"{bad_run} non-finite steps in a row (steps {step + 2 - bad_run}-{step + 1}, last loss "
+                             f"{loss}, grad_norm {grad_norm}); weights and optimizer are those after step "
+                             f"{step + 1 - bad_run}, saved in {path}; lower --lr or check the data, then continue "
+                             f"with --resume auto")
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            path = save_checkpoint(cfg.out, step + 1, model, optimizer, loader, rank)
+            path = save_checkpoint(cfg.out, step + 1, model, optimizer, loader, rank, keep=cfg.keep_checkpoints)
+            saved_at = step + 1
             log0(f"checkpoint: {path}")
+        if sums[3] > 0:  # a rank got SIGTERM/SIGUSR1: this step is done; save and leave together
+            break
     bar.close()
     if metrics:
         metrics.close()
-    log0(f"{end - start} steps in {time.perf_counter() - t_run:.1f} s")
+    done = step + 1
+    log0(f"{done - start} steps in {time.perf_counter() - t_run:.1f} s")
     log0(f"memory per GPU: peak {'%.4g GB measured' % peak_gb if measure else 'not measured (--measure-memory)'}, "
          f"{planned.total / 1e9:.4g} GB planned (memory/plan.py)")
 
     # ---- save: a resumable checkpoint and the model in the Hugging Face layout
-    if end < cfg.steps:
-        if not cfg.save_every or end % cfg.save_every:
-            save_checkpoint(cfg.out, end, model, optimizer, loader, rank)
-        log0(f"stopped after step {end} of {cfg.steps}; continue with --resume auto")
+    if done < cfg.steps:
+        path = os.path.join(cfg.out, "checkpoints", f"step_{done:06d}")
+        if saved_at != done:
+            path = save_checkpoint(cfg.out, done, model, optimizer, loader, rank, keep=cfg.keep_checkpoints)
+        why = f"{' and '.join(sorted(set(STOP))) or 'a stop signal'} received" if sums[3] > 0 else "--stop-after"
+        log0(f"stopped after step {done} of {cfg.steps} ({why}); checkpoint {path}; continue with --resume auto")
         return
     if cfg.save_every:
-        save_checkpoint(cfg.out, cfg.steps, model, optimizer, loader, rank)
+        save_checkpoint(cfg.out, cfg.steps, model, optimizer, loader, rank, keep=cfg.keep_checkpoints)
     if cfg.save_final:
         from model.weights import save_safetensors
         save_safetensors(model, os.path.join(cfg.out, "final"), dtype=getattr(torch, cfg.save_dtype),
@@ -550,9 +451,27 @@ def _bar(total: int, start: int, rank: int):
                 disable=rank != 0 or not sys.stderr.isatty())
 
 
+def fail(e: BaseException, code: int) -> None:
+    """One line per failure, rank 0's first: the other ranks usually fail because of it (or the same
+    way), so they wait a moment, and torchrun has often stopped them by then."""
+    rank = int(os.environ.get("RANK", 0))
+    if rank:
+        time.sleep(3)
+    if code == 1:  # not a refusal but a fault: the traceback is for whoever debugs it
+        import traceback
+        traceback.print_exception(e)
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    print(f"error{f' (rank {rank})' if rank else ''}: {msg if code != 1 else f'{type(e).__name__}: {msg}'}",
+          file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except ConfigError as e:  # a refusal before anything ran
+        fail(e, 2)
+    except (RunStopped, DiskSpaceError) as e:  # stopped on purpose, with the last good state saved
+        fail(e, 3)
+    except Exception as e:
+        fail(e, 1)

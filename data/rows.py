@@ -10,7 +10,8 @@ Sources (see data/sources.py for text):
                         cached under cache_dir, rebuilt when the source, tokenizer, seq_len, seed
                         or eos token change; more rows than cached -> rebuilt, fewer -> a prefix
     "tokens:FILE.npy"   a token array used as is (memory-mapped): its rows if they are seq_len + 1
-                        long, otherwise its flat contents cut into consecutive slices
+                        long, otherwise its flat contents cut into consecutive slices; integer ids
+                        only, and with vocab_size every id used must lie in [0, vocab_size)
     "synthetic:copy"    the long-range copy task of data/synthetic.py; needs vocab_size (or a
                         tokenizer, whose base vocabulary is used); rows.predictable(i) marks the
                         labels that can be predicted
@@ -94,7 +95,7 @@ def build_rows(source: str, tokenizer: Any, seq_len: int, num_rows: int, *, cach
     if source.startswith("synthetic:"):
         raise ValueError(f"unknown synthetic source {source!r}; the ones there are: 'synthetic:copy', 'synthetic:repeat'")
     if source.startswith("tokens:"):
-        return _token_file_rows(source[len("tokens:"):], seq_len, num_rows)
+        return _token_file_rows(source[len("tokens:"):], seq_len, num_rows, vocab_size)
     if cache_dir is None:
         raise ValueError(f"source {source!r} is tokenised into a cache: pass cache_dir= (a local directory)")
     if tokenizer is None:
@@ -125,8 +126,9 @@ def build_rows(source: str, tokenizer: Any, seq_len: int, num_rows: int, *, cach
     return Rows(tokens, meta=entry.read_meta(), path=entry.npy, built=built)
 
 
-def _token_file_rows(path: str, seq_len: int, num_rows: int) -> Rows:
-    """Rows from a .npy of token ids, memory-mapped, never copied."""
+def _token_file_rows(path: str, seq_len: int, num_rows: int, vocab_size: int | None = None) -> Rows:
+    """Rows from a .npy of token ids, memory-mapped, never copied; with vocab_size, every id of the
+    rows used must lie in [0, vocab_size) (an id outside would fail deep inside the embedding)."""
     try:
         arr = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as e:
@@ -142,5 +144,11 @@ def _token_file_rows(path: str, seq_len: int, num_rows: int) -> Rows:
     if len(rows) < num_rows:
         raise ValueError(f"tokens:{path} holds {arr.size:,} tokens ({len(rows)} rows of {n}), but "
                          f"{num_rows} rows need {num_rows * n:,}; use fewer rows or a shorter seq_len")
+    if vocab_size is not None:
+        used = rows[:num_rows]
+        lo, hi = int(used.min()), int(used.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"tokens:{path} holds token id {lo if lo < 0 else hi}, outside the model's vocabulary "
+                             f"[0, {vocab_size:,}); re-tokenise it with the model's tokenizer")
     meta = {"source": f"tokens:{os.path.abspath(path)}", "seq_len": seq_len, "num_rows": num_rows}
     return Rows(rows[:num_rows], meta=meta, path=path, built=False)

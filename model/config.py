@@ -5,7 +5,8 @@
     cfg = cfg.with_yarn(factor=32, original_max_position_embeddings=32768)
 
 Only what this repository can run is accepted: dense Qwen3 (no MoE, no sliding window), SiLU MLP,
-no attention bias, RoPE "default" or "yarn". Anything else is refused with an error that says so.
+no attention bias, RoPE "default" or "yarn". Anything else is refused with a ConfigError (a
+ValueError) of one line that names the file and the problem.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration this repository cannot run; the message is one line naming what and why."""
 
 
 @dataclass(frozen=True)
@@ -58,13 +63,13 @@ class Qwen3Config:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if int(getattr(self, name)) <= 0:
-                raise ValueError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
+                raise ConfigError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
         if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     # ---- derived sizes ------------------------------------------------------------------
     @property
@@ -89,6 +94,9 @@ class Qwen3Config:
 
     def with_yarn(self, factor: float, original_max_position_embeddings: int, **kw) -> "Qwen3Config":
         """The same model with YaRN RoPE scaling; max positions become factor x original."""
+        if not (1 <= factor < math.inf) or int(original_max_position_embeddings) < 1:
+            raise ConfigError(f"YaRN needs factor >= 1 and original_max_position_embeddings >= 1, got {factor} "
+                              f"and {original_max_position_embeddings}")
         yarn = YarnScaling(float(factor), int(original_max_position_embeddings), **kw)
         return replace(self, yarn=yarn,
                        max_position_embeddings=int(factor * original_max_position_embeddings))
@@ -112,24 +120,38 @@ class Qwen3Config:
                     f"no Hugging Face config at {p!r}: pass a model directory holding config.json "
                     f"(for example a local copy of Qwen/Qwen3-8B) or a preset name "
                     f"({', '.join(sorted(PRESETS))})")
-            with open(p) as f:
-                d, where = json.load(f), p
+            try:
+                with open(p) as f:
+                    d, where = json.load(f), p
+            except ValueError as e:  # JSONDecodeError, or bytes that are not text
+                raise ConfigError(f"{p} is not valid JSON ({e}); restore it from the model's original files") from None
+            if not isinstance(d, dict):
+                raise ConfigError(f"{p} holds a JSON {type(d).__name__}, not an object; restore the model's config.json")
         _refuse_unsupported(d, where)
+        try:
+            return cls._from_dict(d, where)
+        except ConfigError as e:  # __post_init__'s refusals do not know the file
+            raise (e if where in str(e) else ConfigError(f"{where}: {e}")) from None
+        except (ValueError, TypeError, KeyError, AttributeError) as e:  # a field of the wrong type
+            raise ConfigError(f"{where}: cannot read it as a Qwen3 config ({type(e).__name__}: {e})") from None
+
+    @classmethod
+    def _from_dict(cls, d: dict[str, Any], where: str) -> "Qwen3Config":
 
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or {}
         if rope and not isinstance(next(iter(rope.values())), (int, float, str, bool, type(None))):
-            raise ValueError(f"{where}: per-layer-type rope_parameters are not supported")
+            raise ConfigError(f"{where}: per-layer-type rope_parameters are not supported")
         theta = rope.get("rope_theta", d.get("rope_theta", 1_000_000.0))
         rs = {**scaling, **{k: v for k, v in rope.items() if k != "rope_theta"}}
         rope_type = rs.get("rope_type", rs.get("type", "default")) or "default"
         yarn = None
         if rope_type == "yarn":
             if "factor" not in rs or "original_max_position_embeddings" not in rs:
-                raise ValueError(f"{where}: YaRN rope scaling needs 'factor' and "
+                raise ConfigError(f"{where}: YaRN rope scaling needs 'factor' and "
                                  f"'original_max_position_embeddings'")
             if rs.get("mscale") or rs.get("mscale_all_dim"):
-                raise ValueError(f"{where}: YaRN with mscale/mscale_all_dim (DeepSeek style) is not supported")
+                raise ConfigError(f"{where}: YaRN with mscale/mscale_all_dim (DeepSeek style) is not supported")
             yarn = YarnScaling(
                 factor=float(rs["factor"]),
                 original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
@@ -139,7 +161,7 @@ class Qwen3Config:
                 truncate=bool(rs.get("truncate", True)),
             )
         elif rope_type != "default":
-            raise ValueError(f"{where}: RoPE type {rope_type!r} is not supported (only 'default' and 'yarn')")
+            raise ConfigError(f"{where}: RoPE type {rope_type!r} is not supported (only 'default' and 'yarn')")
 
         hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
         return cls(
@@ -204,21 +226,21 @@ def _refuse_unsupported(d: dict[str, Any], where: str) -> None:
     model_type = d.get("model_type")
     archs = d.get("architectures") or []
     if model_type not in (None, "qwen3") or any(a != "Qwen3ForCausalLM" for a in archs):
-        raise ValueError(
+        raise ConfigError(
             f"{where}: model_type={model_type!r}, architectures={archs} is not a dense Qwen3 "
-            f"(model_type 'qwen3', Qwen3ForCausalLM); this trainer runs Qwen3 only")
+            f"(model_type 'qwen3', Qwen3ForCausalLM); this trainer runs dense Qwen3 only, such as Qwen/Qwen3-8B")
     if d.get("num_experts") or d.get("num_local_experts"):
-        raise ValueError(f"{where}: mixture-of-experts configs are not supported")
+        raise ConfigError(f"{where}: mixture-of-experts configs are not supported; use a dense Qwen3 such as Qwen/Qwen3-8B")
     if d.get("use_sliding_window"):
-        raise ValueError(f"{where}: sliding-window attention (use_sliding_window=true) is not supported")
+        raise ConfigError(f"{where}: sliding-window attention (use_sliding_window=true) is not supported")
     if d.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act={d['hidden_act']!r} is not supported (SiLU only)")
+        raise ConfigError(f"{where}: hidden_act={d['hidden_act']!r} is not supported (SiLU only)")
     if d.get("attention_bias"):
-        raise ValueError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
+        raise ConfigError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                            "num_attention_heads") if k not in d]
     if missing:
-        raise ValueError(f"{where}: config is missing {missing}")
+        raise ConfigError(f"{where}: config is missing {missing}")
 
 
 PRESETS: dict[str, Qwen3Config] = {
