@@ -37,7 +37,8 @@ LIKE_8B = replace(TINY, hidden_size=128, intermediate_size=384, num_attention_he
 # parameters a third of the peak: gathered layers, their gradients and the fp32 state count
 WIDE = replace(TINY, hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
                head_dim=64, vocab_size=2048)
-DEEP = replace(TINY, num_hidden_layers=4)  # attention once: three layers' attention on the host, one on the device
+DEEP = replace(TINY, num_hidden_layers=4)
+LOSSY = replace(LIKE_8B, vocab_size=4096)  # the loss phase makes the peak  # attention once: three layers' attention on the host, one on the device
 SAVE = {"save_attention": True}
 
 # name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk[, RMSNorm chunk][, SAVE])
@@ -56,10 +57,14 @@ MATRIX = {
     "sp2 4 layers": (DEEP, 2, 2, 4096, "float32", True, 0, 256),
     "sp2 4 layers save attention": (DEEP, 2, 2, 4096, "float32", True, 0, 256, SAVE),
     "sp2 8B-like tiled save attention": (LIKE_8B, 2, 2, 4096, "float32", True, 256, 128, SAVE),
+    "sp2 loss peak": (LOSSY, 2, 2, 4096, "float32", True, 256, 512),
+    "sp2 loss peak save attention": (LOSSY, 2, 2, 4096, "float32", True, 256, 512, SAVE),
 }
-# attention once -> the same configuration recomputing attention
+# attention once -> the same configuration recomputing attention; the peak in a layer's backward
+# (as at the recipe: 20.8 GB there against 10.8 + 2.1 GB in the loss phase)
 PAIRS = {"sp1 save attention": "sp1", "sp2 4 layers save attention": "sp2 4 layers",
          "sp2 8B-like tiled save attention": "sp2 8B-like tiled"}
+LOSS_PAIRS = {"sp2 loss peak save attention": "sp2 loss peak"}  # the peak in the loss phase
 
 
 def _steps(rank, world, specs):
@@ -164,14 +169,17 @@ def test_planned_peak_within_5_percent_of_measured(matrix):
 
 @pytest.mark.slow
 def test_save_attention_peak_no_higher(matrix):
-    """Attention once keeps out and lse on the host: the measured device peak does not rise (within
-    the planner's 5%), and the planner moves with the meter (the same ratio both ways, within 5%)."""
-    for sa, base in PAIRS.items():
+    """Attention once keeps L-1 layers' out and lse on the host: where a layer's backward makes the
+    peak, the measured device peak does not rise (within the planner's 5%). Where the loss makes
+    it, the last layer's input, out and lse (kept on the device) raise it, by exactly what the
+    planner adds: the measured rise equals the planned one in every pair (to 0.5% of the peak)."""
+    for sa, base in {**PAIRS, **LOSS_PAIRS}.items():
         (m_sa, p_sa), (m, p) = matrix[sa], matrix[base]
-        print(f"{sa:34} measured {m_sa / 1e6:8.3f} MB, without {m / 1e6:8.3f} MB: {m_sa / m:.4f}; "
-              f"planned {p_sa / p:.4f}")
-        assert m_sa <= 1.05 * m, (sa, m_sa, m)
-        assert abs((m_sa / m) / (p_sa / p) - 1) <= 0.05, (sa, m_sa / m, p_sa / p)
+        print(f"{sa:34} measured {m_sa / 1e6:8.3f} MB, without {m / 1e6:8.3f} MB: rise "
+              f"{(m_sa - m) / 1e6:+.3f} MB, planned {(p_sa - p) / 1e6:+.3f} MB")
+        assert abs((m_sa - m) - (p_sa - p)) <= 0.005 * m, (sa, m_sa - m, p_sa - p)
+        if sa in PAIRS:
+            assert m_sa <= 1.05 * m, (sa, m_sa, m)
 
 
 @pytest.mark.slow
