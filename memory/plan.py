@@ -740,7 +740,7 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
             q = plan(c, n, gpus=p.gpus, sp=p.sp, **_options(p))
             out.append(f"longest sequence that fits {p.gpu_mem_gb:g} GB per GPU"
                        + ("" if p.host_mem_gb is None else f" and {p.host_mem_gb:g} GB host per node")
-                       + f": {n:,} tokens ({n / 2**20:.2f} Mi)")
+                       + f", attention {'kept' if p.save_attention else 'recomputed'}: {n:,} tokens ({n / 2**20:.2f} Mi)")
             out.append(f"  there: peak {q.total / GB:.1f} GB per GPU, host {q.host_per_node / GB:.0f} GB "
                        f"per node, {q.step_time_s:.0f} s per step at MFU {p.mfu:g}")
         else:
