@@ -494,9 +494,9 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
     loss_moments = loss_bytes(c, t, loss_chunk=loss_chunk, fused_norm=fused_norm, compute_bytes=b, device=device)
     loss_name = max(loss_moments, key=lambda k: sum(loss_moments[k].values()))
     loss_detail = loss_moments[loss_name]
-    if S:  # the last layer's input, out and lse never leave the device (those counted in held aside)
+    if S:  # the last layer's input, out and lse never leave the device (its input is in held without offload)
         loss_detail["last layer's input, attention out and lse (attention once, on the device)"] = (
-            (X if x_off else 0) + (A_out if out_off else 0) + (A_lse if lse_off else 0))
+            (X if x_off else 0) + A_out + A_lse)
     loss = sum(loss_detail.values())
     phases = {"layer backward": gathered_layers + working, "loss": gathered_lm_head + loss}
     peak_phase = max(phases, key=phases.get)

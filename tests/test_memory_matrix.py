@@ -57,6 +57,7 @@ MATRIX = {
     "sp2 4 layers": (DEEP, 2, 2, 4096, "float32", True, 0, 256),
     "sp2 4 layers save attention": (DEEP, 2, 2, 4096, "float32", True, 0, 256, SAVE),
     "sp2 8B-like tiled save attention": (LIKE_8B, 2, 2, 4096, "float32", True, 256, 128, SAVE),
+    "sp2 4 layers no offload save attention": (DEEP, 2, 2, 4096, "float32", False, 0, 256, SAVE),  # all on the device
     "sp2 loss peak": (LOSSY, 2, 2, 4096, "float32", True, 256, 512),
     "sp2 loss peak save attention": (LOSSY, 2, 2, 4096, "float32", True, 256, 512, SAVE),
 }

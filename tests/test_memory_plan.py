@@ -361,6 +361,8 @@ def test_save_attention_without_offload_stays_on_the_gpu():
     off = plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False)
     assert on.saved_attention_host_per_gpu == 0 and on.host_per_node == off.host_per_node
     assert on.saved_attention_gpu == 35 * (2**30 + 2**24)  # the layer in backward counts its own
+    key = "last layer's input, attention out and lse (attention once, on the device)"
+    assert on.loss_detail[key] == 2**30 + 2**24  # its input is among the saved inputs on the GPU already
     assert on.total - off.total >= on.saved_attention_gpu
 
 
