@@ -1,7 +1,7 @@
 """The attention one Ulysses sequence-parallel rank runs, and the all-to-alls around it.
 
     python bench/bench_attention.py                         # cuda: Qwen3-8B, sp=8, 1,048,576 tokens, bf16
-    python bench/bench_attention.py --tokens 262144 --backend default --json attn.json
+    python bench/bench_attention.py --tokens 262144 --backend flash --json attn.json
     python bench/bench_attention.py --device cpu --tiny     # tiny config, 512 tokens, sp=2, fp32: a second
 
     from bench.bench_attention import run, exchange_volumes, format_result
@@ -9,8 +9,10 @@
 
 With sp=8 a 1,048,576-token Qwen3-8B row gives every rank every token inside attention, for
 32/8 = 4 query heads and 8/8 = 1 kv head: q [1, T, 4, 128], k and v [1, T, 1, 128]. This runs
-model.qwen3.sdpa_attention on those shapes (causal, enable_gqa), which is what UlyssesAttention
-runs between its all-to-alls: forward, then backward from a random output gradient.
+model.qwen3.sdpa_attention on those shapes (model.attention.attention: causal, kv heads shared,
+never expanded), which is what UlyssesAttention runs between its all-to-alls: forward, then
+backward from a random output gradient. With attention once a training step runs exactly this
+per layer: one forward, one backward (the recompute replays the forward's output).
 
 FLOPs follow memory_plan.step_flops: forward 2 x 2 x T^2/2 x heads x head_dim (QK^T and PV over
 the causal half), backward attn_bwd_factor (2.5) x forward, FlashAttention's backward doing five
@@ -19,12 +21,13 @@ T^2 products to the forward's two. Times are wall time around synchronised calls
 Peak memory (CUDA): torch.cuda.max_memory_allocated() during the timed run, absolute and as the
 rise over the inputs (q, k, v and the output gradient); not measured on CPU.
 
-Backend: --backend flash (default) asks for FlashAttention through
-torch.nn.attention.sdpa_kernel; if torch refuses (its warnings say why, recorded in
-backend_errors), cuDNN and then memory-efficient attention are tried, each first with enable_gqa
-and then with kv repeated to the query heads; math only where a T x T score matrix is small.
---backend default leaves the choice to torch, as training does. Which aten op ran is observed
-with a dispatch mode on the warm-up run, not assumed.
+Backend: --backend pinned (default) is the kernel training pins: model.attention.pick_backend
+for these shapes (cuDNN where the runtime has it, else flash; cpu_flash on CPU), set with
+model.attention.set_backend, as train.py does. A name (cudnn, flash, cpu_flash, math) pins that
+one; default is torch's per-call SDPA choice (no attention-once). If the pinned kernel fails at
+full length, flash is tried next on CUDA and the failure recorded in backend_errors; math only
+where a T x T score matrix is small. Which aten op ran is observed with a dispatch mode on the
+warm-up run, not assumed.
 
 Exchange volumes (arithmetic on the config, checked against the tensors model/ulysses.py hands
 to all_to_all_single in tests/test_gpu_check.py): per layer each rank exchanges q, k, v
@@ -38,7 +41,6 @@ NVLink 4 on H100 and H200); NCCL's all-to-all reaches less than the link rate in
 from __future__ import annotations
 
 import argparse
-import contextlib
 import inspect
 import json
 import math
@@ -51,10 +53,10 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memory.plan import load_config, step_flops
+from model.attention import get_backend, pick_backend, set_backend
 from model.config import Qwen3Config
 from model.qwen3 import sdpa_attention
 from model.ulysses import check_heads
@@ -161,15 +163,12 @@ def _inputs(T, hq, hkv, hd, dtype, dev, seed):
     return q, k, v, torch.randn(1, T, hq, hd, generator=g, device=dev, dtype=dtype)
 
 
-def _fwd_bwd(q, k, v, dout, repeat_kv: bool, dev) -> tuple[float, float]:
-    """One forward and backward of sdpa_attention; (forward s, backward s)."""
+def _fwd_bwd(q, k, v, dout, dev) -> tuple[float, float]:
+    """One forward and backward of sdpa_attention on the pinned backend; (forward s, backward s)."""
     q.grad = k.grad = v.grad = None  # no accumulation into last run's gradients
     _sync(dev)
     t0 = time.perf_counter()
-    kk, vv = k, v
-    if repeat_kv:  # for kernels without enable_gqa: materialise the shared kv heads
-        kk, vv = (t.repeat_interleave(q.shape[2] // k.shape[2], dim=2) for t in (k, v))
-    out = sdpa_attention(q, kk, vv)
+    out = sdpa_attention(q, k, v)
     _sync(dev)
     t1 = time.perf_counter()
     out.backward(dout)
@@ -177,29 +176,36 @@ def _fwd_bwd(q, k, v, dout, repeat_kv: bool, dev) -> tuple[float, float]:
     return t1 - t0, time.perf_counter() - t1
 
 
-def _candidates(backend: str, dev, T: int, hq: int, bytes_per_elem: int):
-    """(name, SDPBackend or None, repeat kv) in the order to try."""
+BACKEND_CHOICES = ("pinned", "cudnn", "flash", "cpu_flash", "math", "default")
+
+
+def pinned_backend(dev, dtype, hq: int, hkv: int, hd: int, T: int | None = None) -> str:
+    """The backend training pins for these per-rank shapes (train.py: pick_backend, then set_backend)."""
+    return pick_backend(dev, dtype, num_heads=hq, num_kv_heads=hkv, head_dim=hd, seq_len=T)
+
+
+def _candidates(backend: str, dev, dtype, T: int, hq: int, hkv: int, hd: int, bytes_per_elem: int):
+    """model.attention backend names to pin, in the order to try."""
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
     if backend == "default":
-        return [("default", None, False)]
-    if backend != "flash":
-        raise ValueError(f"backend must be 'flash' or 'default', got {backend!r}")
-    c = [("flash", SDPBackend.FLASH_ATTENTION, False)]
-    if dev.type == "cuda":
-        c += [("cudnn", SDPBackend.CUDNN_ATTENTION, False), ("cudnn", SDPBackend.CUDNN_ATTENTION, True),
-              ("efficient", SDPBackend.EFFICIENT_ATTENTION, False),
-              ("efficient", SDPBackend.EFFICIENT_ATTENTION, True)]
-    if hq * T * T * max(4, bytes_per_elem) <= MATH_MAX_SCORE_BYTES:
-        c.append(("math", SDPBackend.MATH, False))
+        return ["sdpa"]  # torch's own choice per call
+    c = [pinned_backend(dev, dtype, hq, hkv, hd, T) if backend == "pinned" else backend]
+    if dev.type == "cuda" and c[0] == "cudnn":
+        c.append("flash")  # what runs if cuDNN fails at this length (recorded in backend_errors)
+    if c[0] != "math" and hq * T * T * max(4, bytes_per_elem) <= MATH_MAX_SCORE_BYTES:
+        c.append("math")
     return c
 
 
 def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3Config = "qwen3-8b",
         device: str = "cuda", dtype: torch.dtype | None = None, tiny: bool = False,
-        backend: str = "flash", steps: int = 1, warmup_tokens: int = 16384,
+        backend: str = "pinned", steps: int = 1, warmup_tokens: int = 16384,
         time_limit_s: float | None = None, nvlink_gbps: float = NVLINK_GBPS, seed: int = 0) -> dict:
     """Time one rank's causal attention forward + backward; returns a dict (see format_result).
 
-    tiny: the tiny preset, 512 tokens, sp=2. time_limit_s: if the full length is estimated
+    tiny: the tiny preset, 512 tokens, sp=2. backend: see the module docstring; the one that ran
+    is pinned with set_backend while it runs. time_limit_s: if the full length is estimated
     (from the warm-up, scaled by T^2) to take longer, halve it until it does not and scale the
     times back up by (T / measured)^2, recorded as `extrapolated`.
     """
@@ -229,17 +235,22 @@ def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3C
               "attn_bwd_factor": ATTN_BWD_FACTOR}
     Tw = min(warmup_tokens, T)  # warm-up length: same kernels, a fraction of the time
     q = k = v = dout = None
-    for name, sdp, repeat in _candidates(backend, dev, T, hq, esize):
-        ctx = (lambda: sdpa_kernel(sdp)) if sdp is not None else None  # None: torch's own choice
-        label = name + (" (kv repeated)" if repeat else "")
+    try:
+        names = _candidates(backend, dev, dtype, T, hq, hkv, hd, esize)
+    except ValueError as e:  # pick_backend refuses: neither fused kernel runs these shapes here
+        names, result["backend_errors"]["pinned"] = [], str(e)[:600]
+    result["backend_pinned"] = names[0] if names else None
+    before = get_backend()
+    for name in names:
+        label = name
+        set_backend(name)  # every attention() call below runs this kernel, as in training
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with (ctx() if ctx else contextlib.nullcontext()), _OpRecorder() as rec:
+                with _OpRecorder() as rec:
                     w = _inputs(Tw, hq, hkv, hd, dtype, dev, seed)
-                    _fwd_bwd(*w, repeat, dev)  # warm-up: kernels loaded, backend observed
-                with (ctx() if ctx else contextlib.nullcontext()):
-                    tw = sum(_fwd_bwd(*w, repeat, dev))  # warm timing, for the length estimate
+                    _fwd_bwd(*w, dev)  # warm-up: kernels loaded, backend observed
+                tw = sum(_fwd_bwd(*w, dev))  # warm timing, for the length estimate
                 del w
         except RuntimeError as e:
             why = dict.fromkeys(str(c.message).strip().splitlines()[0] for c in caught)  # torch's reasons
@@ -257,8 +268,7 @@ def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3C
             base = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else None
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
-            with (ctx() if ctx else contextlib.nullcontext()):
-                times = [_fwd_bwd(q, k, v, dout, repeat, dev) for _ in range(steps)]
+            times = [_fwd_bwd(q, k, v, dout, dev) for _ in range(steps)]
             peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
             grad_ok = all(torch.isfinite(t.grad).all().item() for t in (q, k, v))
         except RuntimeError as e:  # OOM or a kernel limit at full length: try the next backend
@@ -273,7 +283,7 @@ def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3C
         result.update(
             backend=name, backend_ops=rec.ops,
             backend_ran=ran[0] if ran else "math (no fused op seen: a composite of matmuls)",
-            gqa="kv repeated" if repeat else ("enable_gqa" if hq != hkv else "none (equal heads)"),
+            gqa="kv heads shared (not expanded)" if hq != hkv else "none (equal heads)",
             measured_tokens=Tm, extrapolated=Tm != T, steps=steps, warmup_tokens=Tw,
             fwd_s=fwd_s, bwd_s=bwd_s, fwd_bwd_s=fwd_s + bwd_s,
             fwd_tflops=fwd_flops / fwd_s / 1e12, bwd_tflops=bwd_flops / bwd_s / 1e12,
@@ -283,11 +293,73 @@ def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3C
             act_peak_gb=None if peak is None else (peak - base) / GB,
             grads_finite=grad_ok)
         break
+    set_backend(before)
     q = k = v = dout = None  # noqa: F841 (free the inputs before returning)
     # The exchanges around this attention are arithmetic, for the full length whatever ran.
     result["exchange"] = exchange_volumes(cfg, T, sp, bytes_per_elem=esize, nvlink_gbps=nvlink_gbps)
     result["wall_s"] = time.perf_counter() - t_start
     return result
+
+
+def compare_backends(tokens: int = 65536, hq: int = 4, hkv: int = 1, hd: int = 128, *, device: str = "cuda",
+                     dtype: torch.dtype | None = None, pair: tuple | None = None, seed: int = 0,
+                     rel_tol: float = 2e-2) -> dict:
+    """The same causal attention forward and backward on two pinned backends: max differences.
+
+    Default pair: cuDNN against flash on CUDA (bf16), cpu_flash against math on CPU (fp32: the
+    same code path, for the tiny test). Inputs N(0, 1), one random output gradient. Per tensor
+    (out, dq, dk, dv): max |a - b|, the largest reference magnitude, and their ratio `rel`; they
+    agree when rel <= rel_tol (2e-2: about 5 bf16 rounding steps of the largest value; the two
+    kernels tile and accumulate in different orders). A backend that cannot run is a `skipped`
+    reason, not an exception.
+    """
+    from model.attention import _torch_can_use
+    dev = torch.device(device)
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    a_name, b_name = pair or (("cudnn", "flash") if dev.type == "cuda" else ("cpu_flash", "math"))
+    out = {"tokens": tokens, "q_heads": hq, "kv_heads": hkv, "head_dim": hd, "dtype": str(dtype).replace("torch.", ""),
+           "backends": [a_name, b_name], "rel_tol": rel_tol, "skipped": None}
+    for name in (a_name, b_name):
+        if not _torch_can_use(name, dev, dtype, hq, hkv, hd):
+            out["skipped"] = (f"{name} cannot run {hq} query / {hkv} kv heads of dim {hd} in {dtype} on {dev} "
+                              f"(torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})")
+            return out
+    q, k, v, dout = _inputs(tokens, hq, hkv, hd, dtype, dev, seed)
+    before, got = get_backend(), {}
+    try:
+        for name in (a_name, b_name):
+            set_backend(name)
+            q.grad = k.grad = v.grad = None
+            with _OpRecorder() as rec:
+                o = sdpa_attention(q, k, v)
+                o.backward(dout)
+            _sync(dev)
+            got[name] = {"out": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+            out.setdefault("ops", {})[name] = rec.ops
+    except RuntimeError as e:
+        out["skipped"] = f"{name} failed at {tokens:,} tokens: {str(e).splitlines()[0][:300]}"
+        return out
+    finally:
+        set_backend(before)
+    diffs = {}
+    for t in ("out", "dq", "dk", "dv"):
+        a, b = got[a_name][t].float(), got[b_name][t].float()
+        max_abs, ref = (a - b).abs().max().item(), b.abs().max().item()
+        diffs[t] = {"max_abs": max_abs, "max_ref": ref, "rel": max_abs / ref if ref else 0.0,
+                    "finite": bool(torch.isfinite(a).all().item() and torch.isfinite(b).all().item())}
+    out.update(diffs=diffs, agree=all(d["rel"] <= rel_tol and d["finite"] for d in diffs.values()))
+    return out
+
+
+def format_compare(c: dict) -> str:
+    a, b = c["backends"]
+    head = (f"{a} vs {b}: causal attention, {c['tokens']:,} tokens, {c['q_heads']} query heads on "
+            f"{c['kv_heads']} kv head(s), head_dim {c['head_dim']}, {c['dtype']}")
+    if c["skipped"]:
+        return f"{head}: skipped ({c['skipped']})"
+    rows = [f"  {t:<4} max |{a} - {b}| {d['max_abs']:.3e}  max |{b}| {d['max_ref']:.3e}  relative {d['rel']:.2e}"
+            for t, d in c["diffs"].items()]
+    return "\n".join([head + f": {'agree' if c['agree'] else 'DISAGREE'} (relative <= {c['rel_tol']:g})", *rows])
 
 
 def format_result(r: dict) -> str:
@@ -322,7 +394,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default="qwen3-8b", help="preset or config.json / model directory")
     ap.add_argument("--tokens", type=int, default=None, help="whole sequence length (default 1,048,576)")
     ap.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (default 8)")
-    ap.add_argument("--backend", default="flash", choices=["flash", "default"])
+    ap.add_argument("--backend", default="pinned", choices=BACKEND_CHOICES,
+                    help="pinned: the kernel train.py pins (cuDNN where available, else flash)")
     ap.add_argument("--steps", type=int, default=1, help="timed runs at full length (best kept)")
     ap.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS,
                     help="GB/s per direction per GPU for the projected all-to-all time")

@@ -1,42 +1,67 @@
-"""One GPU, under 8 minutes: measure each piece of a 1M-token Qwen3-8B step, project the 8-GPU step.
+"""One GPU, under 6 minutes: measure each piece of a 1M-token Qwen3-8B step as training runs it,
+project the 8-GPU step.
 
-    python bench/gpu_check.py --out results.json         # one GPU: within its 420 s budget (expect 3-4 min)
-    timeout 470 python bench/gpu_check.py --out results.json 2>&1 | tee gpu_check.log
-    python bench/gpu_check.py --parts attention,loss --out r.json
+    python bench/gpu_check.py --budget-s 330 --out results.json   # one GPU: 330 s budget (expect ~3 min)
+    timeout 360 python bench/gpu_check.py --budget-s 330 --out results.json 2>&1 | tee gpu_check.log
+    python bench/gpu_check.py --parts attention,backends --out r.json
     python bench/gpu_check.py --device cpu --tiny --out /tmp/r.json   # tiny shapes in seconds (the test)
 
 The step projected is this repository's at 1,048,576 tokens on 8 GPUs (dp=1, sp=8): each GPU holds
-131,072 tokens outside attention and every token for 4 query heads inside it. Four parts, each in
-its own process on a GPU (a fresh allocator, its own peak memory, a time limit that kills it
-without losing the others; --tiny runs them in one process); the JSON is rewritten after every
-part, so a killed run still leaves one.
+131,072 tokens outside attention and every token for 4 query heads inside it. What is timed is
+what training runs: attention on the kernel train.py pins (model.attention.pick_backend +
+set_backend: cuDNN where the runtime has it, else flash), attention once (apply_offload(...,
+save_attention=True): the recompute replays the forward's output), MLP tiles of 16,384 rows (the
+qwen3-8b-1m preset). Five parts, each in its own process on a GPU (a fresh allocator, its own peak
+memory, a time limit that kills it without losing the others; --tiny runs them in one process);
+the JSON is rewritten after every part, so a killed run still leaves one.
 
   loss       chunked cross-entropy forward + backward at the per-GPU shape, N=131,072 H=4096
              V=151,936 bf16 (bench_loss.run_case), 256-row chunks (the default and the public
              recipe's) and 1024-row chunks
-  layers     Qwen3-8B decoder layers with offload and the tiled MLP at 131,072 tokens
-             (bench_offload.run_bench) at 2 and 4 layers: time per layer from the difference, peak
-             growth per layer, the one-layer backward working set against memory_plan's; and the
-             attention inside those layers (131,072 tokens, 32 q / 8 kv heads) timed alone
-             (bench_attention.run, sp=1, torch's default backend), to take it out again
-  attention  one sp=8 rank's attention at 1,048,576 tokens, q [1, T, 4, 128], k/v [1, T, 1, 128]
-             (bench_attention.run, FlashAttention requested)
+  layers     Qwen3-8B decoder layers at 131,072 tokens wrapped as training wraps them (run_stack:
+             offload, attention once, tiled MLP, pool reserved before step 1) at 2 and 4 layers:
+             time per layer from the difference, peak growth per layer, the one-layer backward
+             working set against the planner's; and the attention inside those layers (131,072
+             tokens, 32 q / 8 kv heads) timed alone on the pinned kernel, to take it out again
+  attention  one sp=8 rank's attention at 1,048,576 tokens, q [1, T, 4, 128], k/v [1, T, 1, 128],
+             on the pinned kernel (bench_attention.run)
+  backends   cuDNN against flash at 65,536 tokens, 4 query heads on 1 kv head, bf16: max absolute
+             and relative differences of the output and of the q, k, v gradients
+             (bench_attention.compare_backends); skipped with the reason if either cannot run
   optimizer  global-norm clipping and AdamW (fused on CUDA, as train.py) over one GPU's fp32
              shards, memory_plan.param_shapes cut as FSDP2 cuts them over 8 GPUs
 A part that would overrun is shrunk (fewer layers or tokens in the stack; a shorter attention
 scaled by T^2, marked `extrapolated`) or skipped with the reason recorded.
 
-Projection, printed and in the JSON as arithmetic (each layer is recomputed in backward, so its
-forward runs twice):
+Projection, printed and in the JSON as arithmetic (attention once: each layer's forward runs again
+in backward, but not its attention):
   step = L x (layer_nonattn + attention) + loss + all-to-all + optimizer
-  layer_nonattn = stack time per layer - (2 x fwd + bwd) of the 131,072-token local attention
-  attention     = 2 x fwd + bwd of the sp=8 rank's attention at 1,048,576 tokens
+  layer_nonattn = stack time per layer - (fwd + bwd) of the 131,072-token local attention
+  attention     = fwd + bwd of the sp=8 rank's attention at 1,048,576 tokens
   all-to-all    = bench_attention.exchange_volumes bytes per step / --nvlink-gbps (PROJECTED)
-next to memory_plan's FLOPs floor (--peak-tflops x 8 GPUs) and the public recipe (380 s, 56.2 GB).
-Not added: FSDP2 all-gathers and reduce-scatters (prefetched, overlapped with compute; their
-projected time is shown for scale), the embedding, data loading. The offload copies are inside
-the measured layer time. The projected peak per GPU replaces memory_plan's one-layer working set
-by the measured one, and its loss by the measured loss.
+next to the planner's FLOPs floor with attention once (--peak-tflops x 8 GPUs), the same step
+recomputing attention (+ L x fwd) and the public recipe (380 s, 56.2 GB). Not added: FSDP2
+all-gathers and reduce-scatters (prefetched, overlapped with compute; their projected time is
+shown for scale), the embedding, data loading. The offload copies are inside the measured layer
+time. The projected peak per GPU replaces the planner's one-layer working set by the measured one,
+and its loss by the measured loss (plus the last layer's kept input, out and lse).
+
+Time on one H200 (arithmetic, not a measurement; 989 TFLOP/s dense bf16, kernels assumed at
+~300-600 TFLOP/s): the parent never touches CUDA, and each part runs under a hard timeout of its
+share of --budget-s plus what earlier parts left, never past the budget's deadline, so the whole
+run ends by budget + the parent's start (~5 s) + the summary: 330 s -> under 6 minutes. Expected
+at 330 s (shares 15/35/25/10/10%: 50/116/83/33/33 s):
+  loss       ~15 s CUDA start + 2 chunk sizes x (warm-up + >= 2 s timed; 3 x 2 x 151,936 x 4096 x
+             131,072 = 4.9e14 FLOPs = ~1 s a run) = ~25 s
+  layers     ~15 s start + local attention (2 x 2 x 131,072^2/2 x 32 x 128 = 1.4e14 fwd, 3.5x with bwd:
+             ~1.5 s, 3 runs) + stacks of 2 and 4 layers x 3 steps (1 warm-up) x ~2 s per layer =
+             ~36 s + pinning 2 x (L-1) x 2.02 GiB of host blocks (~5 s) = ~65 s
+  attention  ~15 s start + warm-up at 16,384 tokens + fwd + bwd at 1,048,576 (1.1e15 + 2.8e15 FLOPs:
+             ~6-13 s) = ~30 s
+  backends   ~15 s start + 2 x (fwd + bwd) at 65,536 tokens (4.4e12 + 1.1e13 FLOPs: < 0.1 s each)
+             + comparing 4 tensors = ~20 s
+  optimizer  ~15 s start + 4 fused AdamW steps over 1.02e9 fp32 parameters (~10 ms each) = ~20 s
+  total ~160 s expected, 330 s at most.
 """
 
 from __future__ import annotations
@@ -63,8 +88,8 @@ import torch  # noqa: E402
 from memory.plan import (GB, GiB, PUBLIC_RECIPE, load_config, param_shapes, plan,  # noqa: E402
                                shard_numel, step_flops)
 
-PARTS = ("loss", "layers", "attention", "optimizer")
-SHARE = {"loss": 0.15, "layers": 0.35, "attention": 0.35, "optimizer": 0.10}  # of the budget
+PARTS = ("loss", "layers", "attention", "backends", "optimizer")
+SHARE = {"loss": 0.15, "layers": 0.35, "attention": 0.25, "backends": 0.10, "optimizer": 0.10}  # of the budget
 STARTUP_S = {"cuda": 15.0, "cpu": 3.0}  # a worker's import and CUDA start, not left to the part
 
 
@@ -80,14 +105,15 @@ class Geometry:
     mlp_tile: int
     steps: int
     loss_min_time_s: float
+    check_tokens: int             # the cuDNN-vs-flash comparison's length
 
     @property
     def tokens(self) -> int:
         return self.seq_len // self.sp
 
 
-FULL = Geometry("qwen3-8b", 1_048_576, 8, (256, 1024), (2, 4), 8192, 2, 2.0)
-TINY = Geometry("tiny", 512, 2, (32, 128), (2, 3), 64, 3, 0.05)
+FULL = Geometry("qwen3-8b", 1_048_576, 8, (256, 1024), (2, 4), 16384, 2, 2.0, 65536)  # train.py's preset tile
+TINY = Geometry("tiny", 512, 2, (32, 128), (2, 3), 64, 3, 0.05, 512)
 
 
 def _dtype(dev: torch.device) -> torch.dtype:
@@ -129,26 +155,95 @@ def part_loss(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     return out
 
 
+def run_stack(cfg, tokens: int, layers: int, dev: torch.device, dtype: torch.dtype, *, tile: int,
+              steps: int, warmup: int = 1, min_bytes: int | None = None, seed: int = 0) -> dict:
+    """A stack of decoder layers the way training wraps them: apply_offload(save_attention=True,
+    tile_mlp=tile), the pool reserved before the first step (L-1 layers' input, attention out and
+    lse; the last layer keeps its own on the device). Forward + backward from a random gradient;
+    mean step time over `steps` after `warmup`, CUDA peak memory over the parameters and inputs."""
+    from bench.bench_offload import LayerStack
+    from model.offload import apply_offload, remove_offload
+    from model.qwen3 import rope_cos_sin
+
+    torch.manual_seed(seed)
+    cuda = dev.type == "cuda"
+    with torch.device(dev):
+        stack = LayerStack(cfg, layers).to(dtype)
+        with torch.no_grad():
+            for p in stack.parameters():  # Qwen3's init: N(0, 0.02), norms at 1
+                p.normal_(0.0, cfg.initializer_range) if p.dim() == 2 else p.fill_(1.0)
+        x = torch.randn(1, tokens, cfg.hidden_size, dtype=dtype, requires_grad=True)  # [1, T, hidden]
+        dy = torch.randn(1, tokens, cfg.hidden_size, dtype=dtype)
+        cos, sin = rope_cos_sin(cfg, torch.arange(tokens)[None], dtype)  # [1, T, head_dim]
+    pool = apply_offload(stack, min_bytes=min_bytes, tile_mlp=tile, save_attention=True)
+    nh, hd = cfg.num_attention_heads, cfg.head_dim
+    t0 = time.perf_counter()
+    for shape, dt in (((1, tokens, cfg.hidden_size), dtype), ((1, tokens, nh, hd), dtype), ((1, nh, tokens), torch.float32)):
+        pool.reserve(layers - 1, shape, dt, dev)  # x, out [B, T, nh, hd], lse [B, nh, T] (fp32)
+    reserve_s = time.perf_counter() - t0
+
+    def step():
+        stack.zero_grad(set_to_none=True)
+        x.grad = None
+        stack(x, cos, sin).backward(dy)
+
+    try:
+        for _ in range(warmup):
+            step()
+        pool.reset_step()
+        stack.zero_grad(set_to_none=True)
+        x.grad = None
+        _sync(dev)
+        base = torch.cuda.memory_allocated(dev) if cuda else 0  # parameters and inputs
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        times = []
+        for _ in range(steps):
+            t1 = time.perf_counter()
+            step()
+            _sync(dev)
+            times.append(time.perf_counter() - t1)
+        moved = pool.reset_step()
+        return {"step_s": sum(times) / len(times), "oom": False,
+                "peak_gib": torch.cuda.max_memory_allocated(dev) / GiB if cuda else None,
+                "act_gib": (torch.cuda.max_memory_allocated(dev) - base) / GiB if cuda else None,
+                "d2h_mib": moved.d2h_bytes / steps / 2**20, "h2d_mib": moved.h2d_bytes / steps / 2**20,
+                "pool_mib": moved.pool_bytes / 2**20, "pinned_mib": moved.pinned_bytes / 2**20,
+                "host_allocs_after_reserve": moved.host_allocs, "reserve_s": reserve_s}
+    except torch.cuda.OutOfMemoryError:
+        return {"step_s": None, "oom": True, "peak_gib": None, "act_gib": None}
+    finally:
+        remove_offload(stack)
+        pool.close()
+        del stack
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
-    """Offloaded, tiled decoder-layer stacks (bench_offload.run_bench) and their attention alone.
+    """Decoder-layer stacks as training runs them (run_stack: offload, attention once, tiled MLP,
+    the pinned backend) and their attention alone.
 
     At the per-GPU tokens if the time allows (estimated from the attention alone) and memory
     does, else at half or a quarter of them, the time without attention scaled back up linearly.
     """
-    from bench.bench_attention import run as run_attention
-    from bench.bench_offload import run_bench
+    from bench.bench_attention import pinned_backend, run as run_attention
+    from model.attention import set_backend
     cfg, t0 = load_config(g.model), time.perf_counter()
-    esize = torch.empty((), dtype=_dtype(dev)).element_size()
+    dtype = _dtype(dev)
+    esize = torch.empty((), dtype=dtype).element_size()
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     runs, skipped = {}, []
     for T in (g.tokens, g.tokens // 2, g.tokens // 4):
         last = T == g.tokens // 4  # the last resort runs even when over the estimate
-        # The attention inside the stack, alone: sp=1, all heads over the local tokens, torch's choice.
-        la = run_attention(T, 1, model=cfg, device=str(dev), backend="default", steps=g.steps,
+        # The attention inside the stack, alone: sp=1, all heads over the local tokens, the pinned kernel.
+        la = run_attention(T, 1, model=cfg, device=str(dev), backend="pinned", steps=g.steps,
                            time_limit_s=0.15 * (limit_s - (time.perf_counter() - t0)))
         if la["backend"] is None:
             raise RuntimeError(f"local attention did not run: {la['backend_errors']}")
-        la_s = 2 * la["fwd_s"] + la["bwd_s"]  # forward, recompute, backward
+        la_s = la["fwd_s"] + la["bwd_s"]  # attention once: forward, backward (the recompute replays it)
         la.pop("exchange")
+        set_backend(pinned_backend(dev, dtype, nh, nkv, hd, T))  # the stack runs what training pins
         for L in g.stack_layers:
             # Estimate: warm-up + timed steps, each L layers of about 2.5 times their attention.
             est = (1 + g.steps) * L * 2.5 * la_s + 5
@@ -156,16 +251,14 @@ def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
             if est > left and (runs or not last):
                 skipped.append(f"{L} layers at {T:,} tokens: estimated {est:.0f} s, {left:.0f} s left")
                 break
-            r = run_bench(device=str(dev), tokens=T, layers=L, tiny=g.model == "tiny", modes=(),
-                          steps=g.steps, warmup=1, tile_mlp=g.mlp_tile)
-            m = r["modes"]["offload_tiled"]  # modes=() plus tile_mlp: only the tiled offload mode
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            m = run_stack(cfg, T, L, dev, dtype, tile=g.mlp_tile, steps=g.steps, warmup=1,
+                          min_bytes=0 if g.model == "tiny" else None)
             if m["oom"]:
                 skipped.append(f"{L} layers at {T:,} tokens: out of memory")
                 break
             runs[L] = {k: m.get(k) for k in ("step_s", "peak_gib", "act_gib", "d2h_mib", "h2d_mib",
-                                             "pool_mib")}
+                                             "pool_mib", "pinned_mib", "reserve_s",
+                                             "host_allocs_after_reserve")}
         if runs:
             break
     if not runs:
@@ -178,12 +271,12 @@ def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
         per_layer = runs[hi]["step_s"] / hi
         how = f"{runs[hi]['step_s']:.4f} s / {hi} layers"
     scale = g.tokens / T  # 1 unless a shorter stack had to stand in
-    out = {"tokens": T, "tokens_per_gpu": g.tokens, "mlp_tile": g.mlp_tile,
-           "dtype": str(_dtype(dev)).replace("torch.", ""),
+    out = {"tokens": T, "tokens_per_gpu": g.tokens, "mlp_tile": g.mlp_tile, "save_attention": True,
+           "backend": la["backend"], "dtype": str(_dtype(dev)).replace("torch.", ""),
            "runs": {str(L): r for L, r in runs.items()}, "skipped": skipped,
            "per_layer_s": per_layer, "per_layer_how": how, "local_attention": la, "local_attention_s": la_s,
            "per_layer_nonattn_s": (per_layer - la_s) * scale,
-           "per_layer_nonattn_how": f"{per_layer:.4f} - (2 x {la['fwd_s']:.4f} + {la['bwd_s']:.4f})"
+           "per_layer_nonattn_how": f"{per_layer:.4f} - ({la['fwd_s']:.4f} + {la['bwd_s']:.4f})"
                                     + (f", x {scale:g} for {g.tokens:,} tokens" if scale != 1 else "")}
     if per_layer < la_s:  # timing noise (tiny CPU shapes) or an attention slower alone than in the stack
         out["per_layer_nonattn_note"] = "negative: the attention alone took longer than a whole layer"
@@ -202,7 +295,7 @@ def _working_set(cfg, tokens: int, mlp_tile: int, runs: dict, esize: int) -> dic
     fp32 reduce-scatter input (no FSDP2 here) and the RoPE tables (in the benchmark's base).
     """
     p = plan(cfg, tokens, gpus=1, sp=1, offload=True, tiled_mlp=True, mlp_tile=mlp_tile,
-             compute_bytes=esize)
+             compute_bytes=esize, save_attention=True)
     d = p.layer_detail
     grads = esize * sum(math.prod(s) for k, s in param_shapes(cfg).items() if k.startswith("model.layers.0."))
     less = {"fp32 reduce-scatter input": d.get("fp32 reduce-scatter input of the unit before", 0),
@@ -234,13 +327,24 @@ def _working_set(cfg, tokens: int, mlp_tile: int, runs: dict, esize: int) -> dic
 
 
 def part_attention(g: Geometry, dev: torch.device, limit_s: float) -> dict:
-    """One sp rank's attention over the whole sequence (bench_attention.run)."""
+    """One sp rank's attention over the whole sequence (bench_attention.run) on the kernel
+    training pins (pick_backend + set_backend: cuDNN where available, else flash)."""
     from bench.bench_attention import run as run_attention
-    r = run_attention(g.seq_len, g.sp, model=g.model, device=str(dev), backend="flash", steps=1,
+    r = run_attention(g.seq_len, g.sp, model=g.model, device=str(dev), backend="pinned", steps=1,
                       time_limit_s=limit_s)
     if r["backend"] is None:
-        raise RuntimeError(f"no SDPA backend ran: {r['backend_errors']}")
+        raise RuntimeError(f"no attention backend ran: {r['backend_errors']}")
     return r
+
+
+def part_backends(g: Geometry, dev: torch.device, limit_s: float) -> dict:
+    """cuDNN against flash (CPU: cpu_flash against math) on one sp rank's heads of the step
+    (4 query heads on 1 kv head for Qwen3-8B at sp=8) over g.check_tokens tokens: outputs and
+    q/k/v gradients (bench_attention.compare_backends). A backend that cannot run is skipped."""
+    from bench.bench_attention import compare_backends
+    cfg = load_config(g.model)
+    hq, hkv = cfg.num_attention_heads // g.sp, max(cfg.num_key_value_heads // g.sp, 1)
+    return compare_backends(g.check_tokens, hq, hkv, cfg.head_dim, device=str(dev), dtype=_dtype(dev))
 
 
 def part_optimizer(g: Geometry, dev: torch.device, limit_s: float) -> dict:
@@ -286,7 +390,7 @@ def _worker(names: list, g: Geometry, device: str, limit_s: float, out_dir: str)
             torch.cuda.reset_peak_memory_stats(dev)  # each part's own peak
         t0 = time.perf_counter()
         fn = {"loss": part_loss, "layers": part_layers, "attention": part_attention,
-              "optimizer": part_optimizer}[name]
+              "backends": part_backends, "optimizer": part_optimizer}[name]
         # Several parts in one process (--tiny) split its limit by their shares.
         r = fn(g, dev, limit_s * SHARE[name] / sum(SHARE[n] for n in names) if len(names) > 1
                else limit_s - (time.perf_counter() - t_start))
@@ -346,20 +450,23 @@ def project(res: dict, g: Geometry, nvlink_gbps: float, peak_tflops: float, comp
     """The 8-GPU step time (and peak per GPU) assembled from the parts, with its arithmetic."""
     cfg = load_config(g.model)
     L, gpus = cfg.num_hidden_layers, g.sp
+    # What training runs: attention once (the planner's no_attn_recompute FLOPs), the preset's tiles.
     p = plan(cfg, g.seq_len, gpus=gpus, sp=g.sp, tflops=peak_tflops, mlp_tile=g.mlp_tile,
-             compute_bytes=compute_bytes)
+             compute_bytes=compute_bytes, save_attention=True)
     out = {"model": g.model, "seq_len": g.seq_len, "gpus": gpus, "sp": g.sp, "tokens_per_gpu": g.tokens,
-           "planner_flops": p.flops_full_recompute, "planner_floor_s": p.step_time_s,
-           "planner_floor_how": f"{p.flops_full_recompute:.4g} FLOPs / ({gpus} x {peak_tflops:g} TFLOP/s)",
-           "planner_peak_gb": p.total / GB, "public_recipe": dict(PUBLIC_RECIPE), "peak_tflops": peak_tflops}
-    missing = [k for k in PARTS if res.get(k, {}).get("status") != "ok"]
+           "save_attention": True, "planner_flops": p.flops_step, "planner_floor_s": p.step_time_s,
+           "planner_floor_how": f"{p.flops_step:.4g} FLOPs (attention once) / ({gpus} x {peak_tflops:g} TFLOP/s)",
+           "planner_peak_gb": p.total / GB, "planner_host_gb_per_node": p.host_per_node / GB,
+           "public_recipe": dict(PUBLIC_RECIPE), "peak_tflops": peak_tflops}
+    missing = [k for k in ("loss", "layers", "attention", "optimizer") if res.get(k, {}).get("status") != "ok"]
     if missing:
         out.update(status=f"not projected: part(s) {', '.join(missing)} did not run", step_s=None)
         return out
     lay, att, loss, opt = (res[k] for k in ("layers", "attention", "loss", "optimizer"))
-    # Checkpointing runs each layer's forward twice (forward, recompute in backward): 2 x fwd + bwd.
+    # Attention once: the recompute replays the forward's output, so attention is fwd + bwd per layer
+    # (without it, checkpointing would run the forward twice: 2 x fwd + bwd, shown for comparison).
     t = {"layers": L, "layer_nonattn_s": lay["per_layer_nonattn_s"],
-         "attention_s": 2 * att["fwd_s"] + att["bwd_s"], "loss_s": loss["time_s"],
+         "attention_s": att["fwd_s"] + att["bwd_s"], "loss_s": loss["time_s"],
          "a2a_s": att["exchange"]["projected_s_per_step"], "optimizer_s": opt["time_s"]}
     layer_s = t["layer_nonattn_s"] + t["attention_s"]
     # The all-to-alls sit on the critical path (attention waits for them): added, not overlapped.
@@ -371,32 +478,36 @@ def project(res: dict, g: Geometry, nvlink_gbps: float, peak_tflops: float, comp
         status="ok", terms=t, layer_s=layer_s, step_s=step, a2a_s=t["a2a_s"],
         how=(f"{L} x ({t['layer_nonattn_s']:.4f} + {t['attention_s']:.4f}) + {t['loss_s']:.4f} + "
              f"{t['a2a_s']:.4f} + {t['optimizer_s']:.4f} = {step:.4g} s"),
-        legend="layers x (layer without attention, per layer + attention: 2 x fwd + bwd) + loss "
+        legend="layers x (layer without attention, per layer + attention once: fwd + bwd) + loss "
                "+ all-to-all (projected) + clip and AdamW",
-        attention_how=f"2 x {att['fwd_s']:.4f} + {att['bwd_s']:.4f} (forward, recompute, backward"
-                      + (f"; measured at {att['measured_tokens']:,} tokens, scaled by T^2)"
-                         if att.get("extrapolated") else ")"),
+        attention_how=f"{att['fwd_s']:.4f} + {att['bwd_s']:.4f} (forward, backward: attention once, "
+                      f"on {att['backend']}" + (f"; measured at {att['measured_tokens']:,} tokens, scaled by T^2)"
+                                                if att.get("extrapolated") else ")"),
         attention_share=L * t["attention_s"] / step,
-        implied_mfu=p.flops_full_recompute / (gpus * peak_tflops * 1e12 * step),
+        # For scale: the same step recomputing attention (one more forward per layer).
+        step_s_attention_recomputed=step + L * att["fwd_s"],
+        implied_mfu=p.flops_step / (gpus * peak_tflops * 1e12 * step),
         vs_public_recipe=PUBLIC_RECIPE["step_time_s"] / step,
         fsdp_collectives_s=fsdp_bytes / (nvlink_gbps * GB),
         fsdp_collectives_how=f"(2 x bf16 all-gather + fp32 reduce-scatter) x {n:.3g} params x "
                              f"{gpus - 1}/{gpus} / {nvlink_gbps:g} GB/s: overlapped, not added",
-        default_backend_in_training=lay["local_attention"].get("backend_ran"))
+        backend_in_training=att["backend"], backend_ran=att.get("backend_ran"))
     ws = lay["working_set"]
     if ws.get("measured_gb") is None:
         out.update(peak_gb=None, peak_reason=ws.get("reason"))
         return out
     # The plan's peak, its one-layer working set corrected by measured - planned at the stack's
-    # shape, its loss replaced by the measured loss's rise over its inputs.
+    # shape, its loss replaced by the measured loss's rise over its inputs (plus the last layer's
+    # input, attention out and lse, which attention once keeps on the device meanwhile).
+    kept = sum(v for k, v in p.loss_detail.items() if k.startswith("last layer's"))
     layer_phase = p.gathered_layers + p.layer_working_set + (ws["measured_gb"] - ws["planned_gb"]) * GB
-    loss_phase = p.gathered_lm_head + loss["loss_peak_rise_gb"] * GB
+    loss_phase = p.gathered_lm_head + loss["loss_peak_rise_gb"] * GB + kept
     peak = p.held + max(layer_phase, loss_phase)
     out.update(peak_gb=peak / GB, peak_how=(
         f"held {p.held / GB:.2f} + max(layer: {p.gathered_layers / GB:.2f} gathered + "
         f"{p.layer_working_set / GB:.2f} planned working set + ({ws['measured_gb'] - ws['planned_gb']:.2f} "
         f"measured - planned), loss: {p.gathered_lm_head / GB:.2f} gathered + "
-        f"{loss['loss_peak_rise_gb']:.2f} measured) = {peak / GB:.2f} GB"))
+        f"{loss['loss_peak_rise_gb']:.2f} measured + {kept / GB:.2f} last layer kept) = {peak / GB:.2f} GB"))
     return out
 
 
@@ -408,7 +519,7 @@ def _write(path: str, obj: dict) -> None:
 
 def summary(res: dict) -> str:
     """The printout: one block per part, the exchange table, the projection."""
-    from bench.bench_attention import format_exchange, format_result
+    from bench.bench_attention import format_compare, format_exchange, format_result
     f = lambda v, spec=".3f": "-" if v is None else format(v, spec)  # noqa: E731
     out = [f"gpu_check on {res['device']}, torch {res['torch']}"
            + (f", CUDA {res['cuda']}" if res.get("cuda") else "")
@@ -432,8 +543,8 @@ def summary(res: dict) -> str:
         out += [f"  skipped {s}" for s in lo["skipped"]]
     la = res.get("layers", {})
     if la.get("status") == "ok":
-        out.append(f"\nlayers: {la['tokens']:,} tokens, offload + tiled MLP ({la['mlp_tile']} rows), "
-                   f"{la['dtype']}")
+        out.append(f"\nlayers: {la['tokens']:,} tokens, offload + attention once + tiled MLP "
+                   f"({la['mlp_tile']} rows), {la['backend']} attention, {la['dtype']}")
         for L, r in la["runs"].items():
             out.append(f"  {L} layers: step {r['step_s']:.4f} s, peak {f(r['peak_gib'], '.2f')} GiB, "
                        f"{f(r['act_gib'], '.2f')} GiB over params and inputs")
@@ -459,6 +570,9 @@ def summary(res: dict) -> str:
         out += ["", "attention: " + format_result(at)]
     elif "exchange" in res:
         out += ["", format_exchange(res["exchange"])]
+    bk = res.get("backends", {})
+    if bk.get("status") == "ok":
+        out += ["", "backends: " + format_compare(bk)]
     op = res.get("optimizer", {})
     if op.get("status") == "ok":
         out.append(f"\noptimizer: clip + {op['optimizer']} over {op['params_per_gpu']:,} fp32 parameters "
@@ -475,6 +589,8 @@ def summary(res: dict) -> str:
         out += [f"  {p['how']}", f"  ({p['legend']})",
                 f"  attention {p['attention_how']}; "
                 f"attention is {100 * p['attention_share']:.0f}% of the step",
+                f"  recomputing attention instead (one more forward per layer): "
+                f"{p['step_s_attention_recomputed']:.1f} s",
                 f"  FSDP2 collectives {p['fsdp_collectives_s']:.3f} s ({p['fsdp_collectives_how']})",
                 f"  implied MFU {100 * p['implied_mfu']:.1f}% of {p['peak_tflops']:g} TFLOP/s"]
         if p.get("peak_gb") is not None:
@@ -496,7 +612,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--tiny", action="store_true", help="tiny preset, 512 tokens over sp=2 (CPU, tests)")
     ap.add_argument("--out", default="gpu_check.json", help="the JSON of results (rewritten per part)")
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--budget-s", type=float, default=None, help="whole run (default 420; tiny 120)")
+    ap.add_argument("--budget-s", type=float, default=None, help="whole run (default 330; tiny 120)")
     ap.add_argument("--nvlink-gbps", type=float, default=450.0,
                     help="GB/s per direction per GPU for projected collectives (H100/H200 NVLink 4)")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM)")
@@ -513,7 +629,7 @@ def main(argv=None) -> dict:
     parts = [p for p in a.parts.split(",") if p]
     if set(parts) - set(PARTS):
         ap.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; known {', '.join(PARTS)}")
-    budget = a.budget_s or (120.0 if a.tiny else 420.0)
+    budget = a.budget_s or (120.0 if a.tiny else 330.0)
     t0 = time.perf_counter()
     deadline = t0 + budget
     from bench.bench_attention import exchange_volumes

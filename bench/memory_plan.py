@@ -1,7 +1,12 @@
 """The memory planner's command line; the planner itself is product code in memory/plan.py.
 
     python bench/memory_plan.py --model qwen3-8b --seq-len 1048576 --gpus 8 --sp 8
+    python bench/memory_plan.py --seq-len 4194304 --mlp-tile 16384 --no-save-attention
     python -m memory.plan ...      # the same
+
+Attention once (--save-attention / --no-save-attention; default: on when its host memory fits
+--host-mem-gb) is shown side by side with attention recomputed: FLOPs, step time, peak per GPU,
+host memory per node and the longest row of each.
 """
 
 import os

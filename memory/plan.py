@@ -13,6 +13,15 @@ tokens, and every token for heads/sp heads inside attention); each decoder layer
 input (in pinned host memory with offload) and is recomputed in backward; the MLP optionally runs
 in row tiles; a one-pass chunked cross-entropy that never builds the logits.
 
+Attention once (save_attention=True, model/offload.py's apply_offload(save_attention=True)): each
+layer's attention output [T, nh/sp, hd] and fp32 log-sum-exp [nh/sp, T] are kept from the forward,
+so the recompute skips attention's forward (1.52e18 -> 1.20e18 FLOPs at the recipe). They go to the
+offload pool's pinned blocks like the layer inputs, for every layer but the last, which keeps its
+input, output and log-sum-exp on the device (backward starts there: a copy would stall it). The
+plan counts both sides: host blocks for L-1 layers, and the last layer's three tensors on the GPU
+while the loss runs. choose_save_attention is the rule a run without --save-attention /
+--no-save-attention follows: on when its plan fits host memory (and the GPU, if the other fits).
+
 It predicts what memory/meter.py measures (torch.cuda.max_memory_allocated on a GPU): the live
 tensor bytes at the step's largest moment, for the rank holding the largest shards (FSDP2 pads
 every tensor's first dimension to a multiple of the world size). The moments are the loss (in
@@ -133,11 +142,15 @@ class Plan:
     attn_bwd_factor: float
     device: str                   # "cuda": with kernel workspaces a CPU meter cannot see
     norm_chunk: int               # elements per row chunk of the RMSNorm's fp32 temporaries
+    save_attention: bool          # attention's out and lse kept from the forward (attention once)
+    save_attention_why: str       # how it was chosen: "given", or choose_save_attention's reason
+    offload_min_bytes: int        # smaller tensors stay on the device (model/offload.py's min_bytes)
     # memory per GPU
     param_shards: int
     grad_shards: int
     optimizer_states: int
     saved_inputs_gpu: int
+    saved_attention_gpu: int      # attention out + lse kept on the GPU for the other layers (not offloaded)
     gathered_layers: int          # current + prefetched decoder layer, bf16 (+ a tied embedding)
     gathered_lm_head: int         # embedding or lm_head while in use, plus one prefetched layer
     layer_working_set: int        # one decoder layer's backward, the larger of its two peaks
@@ -150,6 +163,7 @@ class Plan:
     loss_detail: dict             # name -> bytes of the loss's tensors
     # host memory
     saved_inputs_host_per_gpu: int
+    saved_attention_host_per_gpu: int  # pinned out + lse blocks of L-1 layers (attention once)
     host_per_node: int
     offload_bytes_per_step: int   # per GPU, device to host plus host to device
     # FLOPs per step (all dp groups) and projected times
@@ -157,7 +171,9 @@ class Plan:
     flops_no_attn_recompute: float
     flops_model: float            # no recomputation: the usual numerator of MFU
     flops_detail: dict            # one row's forward pieces and totals (step_flops)
-    step_time_s: float
+    flops_step: float             # what runs: no_attn_recompute with save_attention, else full_recompute
+    step_time_s: float            # flops_step's time
+    step_time_full_recompute_s: float
     step_time_no_attn_recompute_s: float
 
     @property
@@ -396,12 +412,15 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
          gpu_mem_gb: float = 80.0, reserve_gb: float = 2.0, host_mem_gb: float | None = None,
          host_overhead_gb: float = 4.0, tflops: float = 989.0, mfu: float = 1.0,
          attn_bwd_factor: float = 2.5, model: str | None = None, device: str = "cuda",
-         norm_chunk: int = NORM_CHUNK) -> Plan:
+         norm_chunk: int = NORM_CHUNK, save_attention: bool = False, offload_min_bytes: int = 0,
+         save_attention_why: str = "given") -> Plan:
     """Memory per GPU, host memory per node, FLOPs and a projected step time for one step.
 
     reserve_gb: CUDA context, NCCL buffers and allocator slack kept free when deciding what fits.
     host_overhead_gb: host memory per GPU process besides pinned saved inputs (torch, CUDA, NCCL).
     mfu: the fraction of `tflops` the projection assumes; 1.0 gives the physical floor.
+    save_attention: attention once (see the module docstring); choose_save_attention picks it.
+    offload_min_bytes: with offload, tensors under this many bytes stay on the device, as in the pool.
     """
     dp = check_layout(config, seq_len, gpus, sp, dp, gpus_per_node)
     if not tiled_mlp or not mlp_tile:  # train.py's --tile-mlp 0 (None to apply_offload): untiled
@@ -414,30 +433,42 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
             raise ValueError(f"{name} must be positive, got {v}")
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    if save_attention not in (True, False):
+        raise ValueError(f"save_attention must be True or False here, got {save_attention!r}; "
+                         f"choose_save_attention decides an automatic one")
     c, world, b = config, gpus, compute_bytes  # FSDP2 shards over dp x sp = every GPU
     node = gpus_per_node or min(gpus, 8)
     t = seq_len // sp
     X = t * c.hidden_size * b
+    # Attention once: out [T, nh/sp, hd] (compute dtype) and lse [nh/sp, T] (fp32) per layer per GPU.
+    S, L = bool(save_attention), c.num_hidden_layers
+    A_out, A_lse = (t * c.num_attention_heads * c.head_dim * b, t * c.num_attention_heads * 4) if S else (0, 0)
+    # What the pool moves: tensors of >= offload_min_bytes; the last layer keeps its own with attention once.
+    x_off = offload and X >= offload_min_bytes
+    out_off, lse_off = offload and A_out >= offload_min_bytes, offload and A_lse >= offload_min_bytes
 
     # Sharded fp32 state: parameters, gradients (reduced in fp32), AdamW's exp_avg and exp_avg_sq.
     shards = sum(shard_numel(s, world) for s in param_shapes(c).values()) * master_bytes
     layer = _layer_shapes(c).values()
-    L, tied = c.num_hidden_layers, c.tie_word_embeddings
+    tied = c.tie_word_embeddings
     layer_params = _gathered_numel(layer, world)
     layer_shard = sum(shard_numel(s, world) for s in layer) * master_bytes
     emb_numel = _gathered_numel([(c.vocab_size, c.hidden_size)], world)
     emb = emb_numel * b
     head_numel = emb_numel + _gathered_numel([(c.hidden_size,)], world)  # [final norm + lm_head] unit
     saved = L * X
-    saved_gpu = 0 if offload else saved
-    held = shards + 2 * shards + saved_gpu  # parameters, 2 AdamW states (gradients come during backward)
+    saved_gpu = 0 if x_off else saved
+    # The other L-1 layers' attention kept on the GPU when not offloaded (the layer in backward
+    # counts its own among its saved tensors; the last layer's are added to the loss phase).
+    attn_gpu = (L - 1) * (A_out * (not out_off) + A_lse * (not lse_off))
+    held = shards + 2 * shards + saved_gpu + attn_gpu  # parameters, 2 AdamW states (gradients come in backward)
 
     # Layer phase, during layer i's backward (i = L-1 first). FSDP2 holds layer i and the unit
     # it prefetches next (layer i-1; the untied embedding at i = 0), the fp32 reduce-scatter input
     # of the unit reduced just before (kept until the next reduce-scatter: layer i+1's, or the
     # untied [norm + lm_head]'s at i = L-1), and the gradient shards reduced so far. A tied
     # embedding lives in the root unit, gathered for the whole step and reduced last.
-    act, moment, items = layer_backward_bytes(c, t, sp, offload=offload, tiled_mlp=tiled_mlp,
+    act, moment, items = layer_backward_bytes(c, t, sp, offload=x_off, tiled_mlp=tiled_mlp,
                                               mlp_tile=mlp_tile, fused_norm=fused_norm, compute_bytes=b,
                                               device=device, norm_chunk=norm_chunk)
 
@@ -463,51 +494,96 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
     loss_moments = loss_bytes(c, t, loss_chunk=loss_chunk, fused_norm=fused_norm, compute_bytes=b, device=device)
     loss_name = max(loss_moments, key=lambda k: sum(loss_moments[k].values()))
     loss_detail = loss_moments[loss_name]
+    if S:  # the last layer's input, out and lse never leave the device (its input is in held without offload)
+        loss_detail["last layer's input, attention out and lse (attention once, on the device)"] = (
+            (X if x_off else 0) + A_out + A_lse)
     loss = sum(loss_detail.values())
     phases = {"layer backward": gathered_layers + working, "loss": gathered_lm_head + loss}
     peak_phase = max(phases, key=phases.get)
 
-    # The offload pool pins each layer input in fixed-size blocks (pinned_bytes), allocated before step 1.
-    saved_host = c.num_hidden_layers * pinned_bytes(X) if offload else 0
-    host = node * (saved_host + int(host_overhead_gb * GB))
+    # The offload pool pins each tensor it moves in fixed-size blocks (pinned_bytes), allocated
+    # before step 1: every layer's input, or with attention once L-1 layers' input, out and lse.
+    moved = L - 1 if S else L
+    saved_host = moved * pinned_bytes(X) if x_off else 0
+    attn_host = (L - 1) * ((pinned_bytes(A_out) if out_off else 0) + (pinned_bytes(A_lse) if lse_off else 0))
+    host = node * (saved_host + attn_host + int(host_overhead_gb * GB))
+    traffic = 2 * (moved * X * x_off + (L - 1) * (A_out * out_off + A_lse * lse_off))
     fl = step_flops(c, seq_len, attn_bwd_factor=attn_bwd_factor)
     rate = gpus * tflops * 1e12 * mfu
+    run_flops = dp * fl["no_attn_recompute" if S else "full_recompute"]
     return Plan(
         config=c, model=model or "custom", seq_len=seq_len, gpus=gpus, sp=sp, dp=dp, gpus_per_node=node,
         offload=offload, tiled_mlp=tiled_mlp, mlp_tile=mlp_tile, loss_chunk=loss_chunk,
         fused_norm=fused_norm, compute_bytes=b, master_bytes=master_bytes, gpu_mem_gb=gpu_mem_gb,
         reserve_gb=reserve_gb, host_mem_gb=host_mem_gb, host_overhead_gb=host_overhead_gb,
         tflops=tflops, mfu=mfu, attn_bwd_factor=attn_bwd_factor, device=device, norm_chunk=norm_chunk,
+        save_attention=S, save_attention_why=save_attention_why, offload_min_bytes=offload_min_bytes,
         param_shards=shards, grad_shards=shards, optimizer_states=2 * shards, saved_inputs_gpu=saved_gpu,
+        saved_attention_gpu=attn_gpu,
         gathered_layers=gathered_layers, gathered_lm_head=gathered_lm_head, layer_working_set=working,
         loss=loss, held=held, total=held + phases[peak_phase],
         peak_phase=peak_phase, layer_peak=moment,
         layer_detail=layer_detail, loss_detail=loss_detail,
-        saved_inputs_host_per_gpu=saved_host, host_per_node=host,
-        offload_bytes_per_step=2 * saved if offload else 0,
+        saved_inputs_host_per_gpu=saved_host, saved_attention_host_per_gpu=attn_host, host_per_node=host,
+        offload_bytes_per_step=traffic,
         flops_full_recompute=dp * fl["full_recompute"], flops_no_attn_recompute=dp * fl["no_attn_recompute"],
-        flops_model=dp * fl["model"], flops_detail=fl,
-        step_time_s=dp * fl["full_recompute"] / rate,
+        flops_model=dp * fl["model"], flops_detail=fl, flops_step=run_flops,
+        step_time_s=run_flops / rate,
+        step_time_full_recompute_s=dp * fl["full_recompute"] / rate,
         step_time_no_attn_recompute_s=dp * fl["no_attn_recompute"] / rate,
     )
 
 
+def choose_save_attention(config: Qwen3Config, seq_len: int, **options) -> bool:
+    """Attention once, or not, when the run does not say: plan() both ways with `options` (gpus,
+    sp, ..., host_mem_gb: plan()'s keywords) and keep attention when that plan fits host memory
+    (with no host_mem_gb, any amount does) and the GPU too, unless the other does not fit it either.
+    Saved attention costs host memory (out + lse: 1 GiB + 16 MiB per layer per GPU at the recipe),
+    so the longest rows may have to recompute it."""
+    return _choose_save_attention(config, seq_len, **options)[0]
+
+
+def _choose_save_attention(config: Qwen3Config, seq_len: int, **options) -> tuple[bool, str]:
+    options.pop("save_attention", None)
+    options.pop("save_attention_why", None)
+    on = plan(config, seq_len, save_attention=True, **options)
+    need = f"{on.host_per_node / GB:.0f} GB host per node"
+    if not on.fits_host:
+        return False, f"auto: it would need {need}, over --host-mem-gb {on.host_mem_gb:g}"
+    if not on.fits_gpu and plan(config, seq_len, save_attention=False, **options).fits_gpu:
+        return False, f"auto: its last layer's tensors would not fit {on.gpu_mem_gb:g} GB per GPU"
+    return True, f"auto: {need}" + ("" if on.host_mem_gb is None else f" fits --host-mem-gb {on.host_mem_gb:g}")
+
+
+def _run_options(cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str) -> tuple[int, dict]:
+    b = dtype if isinstance(dtype, int) else dtype.itemsize
+    return -(-cfg.seq_len // sp) * sp, dict(
+        gpus=world, sp=sp, dp=dp, offload=cfg.offload, offload_min_bytes=cfg.offload_min_bytes,
+        tiled_mlp=cfg.tile_mlp > 0, mlp_tile=cfg.tile_mlp, loss_chunk=cfg.loss_chunk, compute_bytes=b,
+        gpu_mem_gb=cfg.gpu_mem_gb, host_mem_gb=cfg.host_mem_gb, model=cfg.model, device=device)
+
+
 def plan_for_run(cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str) -> Plan:
     """The plan of exactly one train.py run: its TrainConfig `cfg`, model config, layout, compute
-    dtype (a torch.dtype or its byte size) and device type ("cuda" or "cpu")."""
-    b = dtype if isinstance(dtype, int) else dtype.itemsize
-    x_bytes = (-(-cfg.seq_len // sp)) * config.hidden_size * b  # one layer input
-    return plan(config, -(-cfg.seq_len // sp) * sp, gpus=world, sp=sp, dp=dp,
-                offload=cfg.offload and x_bytes >= cfg.offload_min_bytes, tiled_mlp=cfg.tile_mlp > 0,
-                mlp_tile=cfg.tile_mlp, loss_chunk=cfg.loss_chunk, compute_bytes=b,
-                gpu_mem_gb=cfg.gpu_mem_gb, host_mem_gb=cfg.host_mem_gb, model=cfg.model, device=device)
+    dtype (a torch.dtype or its byte size) and device type ("cuda" or "cpu").
+
+    cfg.save_attention (absent or None: choose_save_attention decides) -> plan.save_attention,
+    what the run should pass to apply_offload; plan.save_attention_why says how it was decided.
+    """
+    seq_len, kw = _run_options(cfg, config, world, sp, dp, dtype, device)
+    save = getattr(cfg, "save_attention", None)
+    if save is None:
+        save, why = _choose_save_attention(config, seq_len, **kw)
+    else:
+        save, why = bool(save), "--save-attention" if save else "--no-save-attention"
+    return plan(config, seq_len, save_attention=save, save_attention_why=why, **kw)
 
 
 def _options(p: Plan) -> dict:
     """The keyword arguments that rebuild `p` with plan() (for another seq_len)."""
     keys = ("dp", "gpus_per_node", "offload", "norm_chunk", "tiled_mlp", "mlp_tile", "loss_chunk", "fused_norm",
             "compute_bytes", "master_bytes", "gpu_mem_gb", "reserve_gb", "host_mem_gb", "host_overhead_gb",
-            "tflops", "mfu", "attn_bwd_factor", "model", "device")
+            "tflops", "mfu", "attn_bwd_factor", "model", "device", "save_attention", "offload_min_bytes")
     return {k: getattr(p, k) for k in keys}
 
 
@@ -516,7 +592,8 @@ def max_seq_len(config: Qwen3Config, gpus: int, sp: int, gpu_mem_gb: float = 80.
     """The longest sequence, a multiple of `multiple` (default 1024 x sp), whose plan fits.
 
     Fits means GPU peak + reserve <= gpu_mem_gb and, when host_mem_gb is given, the host memory
-    per node too. Returns 0 when not even one multiple fits.
+    per node too. Returns 0 when not even one multiple fits. options: plan()'s keywords, e.g.
+    save_attention=True (attention once: the pinned host memory per token roughly doubles).
     """
     step = multiple or 1024 * sp
     if step % sp:
@@ -553,11 +630,44 @@ def plan_to_dict(p: Plan, *, longest: bool = False) -> dict:
     d["host_gb_per_node"] = p.host_per_node / GB
     if longest:
         d["max_seq_len"] = max_seq_len(p.config, p.gpus, p.sp, **_options(p))
+        d["max_seq_len_by_save_attention"] = {
+            str(v).lower(): max_seq_len(p.config, p.gpus, p.sp, **{**_options(p), "save_attention": v})
+            for v in (True, False)}
     return d
 
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def _format_attention_choice(p: Plan, longest: bool) -> list[str]:
+    """Attention once and attention recomputed side by side, and which one this run uses."""
+    other = plan(p.config, p.seq_len, gpus=p.gpus, sp=p.sp,
+                 **{**_options(p), "save_attention": not p.save_attention})
+    on, off = (p, other) if p.save_attention else (other, p)
+    mark = lambda q: " <- this run" if q is p else ""  # noqa: E731
+    fit = lambda q: "fits" if q.fits else ("no: GPU" if not q.fits_gpu else "no: host")  # noqa: E731
+    rows = [
+        ("FLOPs per step", f"{on.flops_step:.3e}", f"{off.flops_step:.3e}"),
+        ("step time (" + ("floor" if p.mfu == 1 else f"MFU {p.mfu:g}") + ", projected)",
+         f"{on.step_time_s:.1f} s", f"{off.step_time_s:.1f} s"),
+        ("peak per GPU", f"{on.total / GB:.2f} GB", f"{off.total / GB:.2f} GB"),
+        ("host memory per node", f"{on.host_per_node / GB:.0f} GB", f"{off.host_per_node / GB:.0f} GB"),
+        ("fits", fit(on), fit(off)),
+    ]
+    if longest:
+        n_on, n_off = (max_seq_len(p.config, p.gpus, p.sp, **{**_options(p), "save_attention": v})
+                       for v in (True, False))
+        rows.append(("longest row", f"{n_on:,}", f"{n_off:,}"))
+    out = [f"{'attention in backward':34}{'kept (attention once)' + mark(on):>32}"
+           f"{'recomputed' + mark(off):>26}"]
+    out += [f"  {k:32}{a:>32}{b:>26}" for k, a, b in rows]
+    out.append(f"  this run: attention {'kept' if p.save_attention else 'recomputed'} ({p.save_attention_why}); "
+               f"--save-attention / --no-save-attention choose")
+    if longest and n_on < n_off:
+        out.append(f"  rows longer than {n_on:,} tokens need --no-save-attention: the kept attention's "
+                   f"host (or GPU) memory is what stops them")
+    return out
 
 
 def format_plan(p: Plan, *, longest: bool = True) -> str:
@@ -578,7 +688,8 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
         f"  {'fp32 parameter shards':46}{g(p.param_shards)}",
         f"  {'AdamW states (2 x fp32)':46}{g(p.optimizer_states)}",
         f"  {'saved layer inputs on GPU':46}{g(p.saved_inputs_gpu)}   "
-        + (f"({L} x {p.tokens_per_gpu:,} x {H} x {p.compute_bytes} B in host memory)" if p.offload
+        + (f"({L - p.save_attention} x {p.tokens_per_gpu:,} x {H} x {p.compute_bytes} B in host memory"
+           + ("; the last layer's in the loss phase)" if p.save_attention else ")") if not p.saved_inputs_gpu
            else f"({L} x {p.tokens_per_gpu:,} x {H} x {p.compute_bytes} B)"),
         f"  {'= held from the step start':46}{g(p.held)}   "
         f"(fp32 gradient shards, {p.grad_shards / GB:.2f} GB in all, come during backward)",
@@ -595,10 +706,13 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
         "",
         f"host memory per node ({p.gpus_per_node} GPUs){'':20}{'GB':>9}",
         f"  {'pinned saved layer inputs':46}{g(p.saved_inputs_host_per_gpu * p.gpus_per_node)}   "
-        f"({p.saved_inputs_host_per_gpu * p.gpus_per_node / GiB:.1f} GiB"
-        + ("" if 2 * p.saved_inputs_host_per_gpu == p.offload_bytes_per_step else
-           f"; each layer's {p.offload_bytes_per_step / 2 / L / GB:.3f} GB in pinned blocks of "
-           f"n/64 rounded to a power of two") + ")",
+        f"({p.saved_inputs_host_per_gpu * p.gpus_per_node / GiB:.1f} GiB, "
+        f"{L - p.save_attention if p.saved_inputs_host_per_gpu else 0} layers; blocks of n/64 rounded "
+        f"to a power of two)",
+        f"  {'pinned attention out + lse (attention once)':46}"
+        f"{g(p.saved_attention_host_per_gpu * p.gpus_per_node)}   "
+        + (f"({p.saved_attention_host_per_gpu * p.gpus_per_node / GiB:.1f} GiB, {L - 1} layers; "
+           f"the last layer's stay on the GPU)" if p.save_attention else "(attention recomputed)"),
         f"  {f'runtime, {p.host_overhead_gb:g} GB per process (assumed)':46}"
         f"{g(p.host_overhead_gb * GB * p.gpus_per_node)}",
         f"  {'total':46}{g(p.host_per_node)}   "
@@ -607,10 +721,10 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
         f"  {'offload traffic per GPU per step (both ways)':46}{g(p.offload_bytes_per_step)}",
         "",
         f"FLOPs per step ({p.dp * p.seq_len:,} tokens)",
-        f"  {'full recomputation (what runs)':38}{p.flops_full_recompute:12.3e}   "
-        f"{p.step_time_s:8.1f} s",
-        f"  {'attention not recomputed':38}{p.flops_no_attn_recompute:12.3e}   "
-        f"{p.step_time_no_attn_recompute_s:8.1f} s",
+        f"  {'full recomputation' + ('' if p.save_attention else ' (what runs)'):38}"
+        f"{p.flops_full_recompute:12.3e}   {p.step_time_full_recompute_s:8.1f} s",
+        f"  {'attention once' + (' (what runs)' if p.save_attention else ''):38}"
+        f"{p.flops_no_attn_recompute:12.3e}   {p.step_time_no_attn_recompute_s:8.1f} s",
         f"  {'model FLOPs (no recomputation)':38}{p.flops_model:12.3e}",
         f"  times: FLOPs / ({p.gpus} GPUs x {p.tflops:g} TFLOP/s x MFU {p.mfu:g})"
         + (", a floor, not a measurement" if p.mfu == 1 else ", a projection, not a measurement"),
@@ -618,6 +732,7 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
     if p.seq_len > c.max_position_embeddings:
         out.append(f"  note: {p.seq_len:,} tokens exceed the config's max_position_embeddings "
                    f"({c.max_position_embeddings:,}); use YaRN (Qwen3Config.with_yarn)")
+    out += ["", *_format_attention_choice(p, longest)]
     if longest:
         n = max_seq_len(c, p.gpus, p.sp, **_options(p))
         out.append("")
@@ -625,7 +740,7 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
             q = plan(c, n, gpus=p.gpus, sp=p.sp, **_options(p))
             out.append(f"longest sequence that fits {p.gpu_mem_gb:g} GB per GPU"
                        + ("" if p.host_mem_gb is None else f" and {p.host_mem_gb:g} GB host per node")
-                       + f": {n:,} tokens ({n / 2**20:.2f} Mi)")
+                       + f", attention {'kept' if p.save_attention else 'recomputed'}: {n:,} tokens ({n / 2**20:.2f} Mi)")
             out.append(f"  there: peak {q.total / GB:.1f} GB per GPU, host {q.host_per_node / GB:.0f} GB "
                        f"per node, {q.step_time_s:.0f} s per step at MFU {p.mfu:g}")
         else:
@@ -688,15 +803,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="host memory per node, for what fits (an 8 x H100/H200 server has about 2 TB)")
     ap.add_argument("--tflops", type=float, default=989.0, help="dense bf16 TFLOP/s per GPU (H100 SXM: 989)")
     ap.add_argument("--mfu", type=float, default=1.0, help="fraction of --tflops assumed for the step time")
+    ap.add_argument("--save-attention", dest="save_attention", action="store_true", default=None,
+                    help="attention once: keep each layer's attention out and lse (default: on when "
+                    "its host memory fits --host-mem-gb, choose_save_attention)")
+    ap.add_argument("--no-save-attention", dest="save_attention", action="store_false",
+                    help="recompute attention in backward (less host memory)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
     name = a.model if a.model in PRESETS else os.path.basename(os.path.normpath(a.model))
     try:
-        p = plan(load_config(a.model), a.seq_len, gpus=a.gpus, sp=a.sp or min(a.gpus, a.gpus_per_node or 8),
-                 dp=a.dp, gpus_per_node=a.gpus_per_node, offload=a.offload, tiled_mlp=a.tiled_mlp,
-                 mlp_tile=a.mlp_tile, loss_chunk=a.loss_chunk, fused_norm=a.fused_norm,
-                 gpu_mem_gb=a.gpu_mem_gb, reserve_gb=a.reserve_gb, host_mem_gb=a.host_mem_gb,
-                 tflops=a.tflops, mfu=a.mfu, model=name)
+        config = load_config(a.model)
+        kw = dict(gpus=a.gpus, sp=a.sp or min(a.gpus, a.gpus_per_node or 8),
+                  dp=a.dp, gpus_per_node=a.gpus_per_node, offload=a.offload, tiled_mlp=a.tiled_mlp,
+                  mlp_tile=a.mlp_tile, loss_chunk=a.loss_chunk, fused_norm=a.fused_norm,
+                  gpu_mem_gb=a.gpu_mem_gb, reserve_gb=a.reserve_gb, host_mem_gb=a.host_mem_gb,
+                  tflops=a.tflops, mfu=a.mfu, model=name)
+        if a.save_attention is None:
+            save, why = _choose_save_attention(config, a.seq_len, **kw)
+        else:
+            save, why = a.save_attention, "--save-attention" if a.save_attention else "--no-save-attention"
+        p = plan(config, a.seq_len, save_attention=save, save_attention_why=why, **kw)
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
     print(json.dumps(plan_to_dict(p, longest=True), indent=2) if a.json else format_plan(p))

@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 from dist_utils import run_distributed
 
+from memory.plan import load_config, plan
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("loss", "layers", "attention", "optimizer", "projection")
+SECTIONS = ("loss", "layers", "attention", "backends", "optimizer", "projection")
 
 
 def _script(name, *args, timeout=120):
@@ -65,8 +67,22 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     _finite(r["layers"], ["per_layer_s", "per_layer_nonattn_s"], "layers", nonnegative=False)
     _finite(r["layers"]["local_attention"], ["fwd_s", "bwd_s"], "layers.local_attention")
     assert r["layers"]["working_set"]["planned_gb"] > 0
+    # The stacks ran as training does: attention once, so L-1 layers' input [T, H], out [T, nh, hd]
+    # and fp32 lse [nh, T] went through the pool (tiny: T=256, H=64, 4 heads of 32, fp32), reserved
+    # before step 1.
+    T = r["layers"]["tokens"]
+    per_layer = T * 64 * 4 + T * 4 * 32 * 4 + 4 * T * 4
+    for L, run in r["layers"]["runs"].items():
+        assert run["d2h_mib"] * 2**20 == (int(L) - 1) * per_layer, (L, run)
+        assert run["host_allocs_after_reserve"] == 0
+    assert r["layers"]["save_attention"] and r["layers"]["backend"] == "cpu_flash"
     _finite(r["attention"], ["fwd_s", "bwd_s", "fwd_tflops", "bwd_tflops"], "attention")
-    assert r["attention"]["backend"] == "flash", r["attention"]["backend_errors"]
+    assert r["attention"]["backend"] == r["attention"]["backend_pinned"] == "cpu_flash", r["attention"]["backend_errors"]
+    b = r["backends"]  # CPU: cpu_flash against math, the same code as cuDNN against flash on a GPU
+    assert b["skipped"] is None and b["backends"] == ["cpu_flash", "math"] and b["agree"] is True
+    for t in ("out", "dq", "dk", "dv"):
+        _finite(b["diffs"][t], ["max_abs", "max_ref", "rel"], f"backends.{t}")
+        assert b["diffs"][t]["rel"] < 1e-5  # fp32: rounding only
     _finite(r["optimizer"], ["time_s", "params_per_gpu"], "optimizer")
     p = r["projection"]
     _finite(p, ["planner_floor_s", "planner_flops", "a2a_s", "planner_peak_gb"], "projection")
@@ -74,6 +90,11 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     t = p["terms"]  # the arithmetic adds up as printed
     assert p["step_s"] == pytest.approx(t["layers"] * (t["layer_nonattn_s"] + t["attention_s"])
                                         + t["loss_s"] + t["a2a_s"] + t["optimizer_s"], rel=1e-9)
+    # attention once: forward + backward per layer, not 2 x forward + backward
+    assert t["attention_s"] == pytest.approx(r["attention"]["fwd_s"] + r["attention"]["bwd_s"], rel=1e-12)
+    assert p["step_s_attention_recomputed"] == pytest.approx(p["step_s"] + t["layers"] * r["attention"]["fwd_s"])
+    assert p["planner_flops"] == plan(load_config("tiny"), 512, gpus=2, sp=2, compute_bytes=4,
+                                      save_attention=True).flops_no_attn_recompute
     assert p["public_recipe"]["step_time_s"] == 380.0 and p["public_recipe"]["peak_gb_per_gpu"] == 56.2
     assert "step" in text and "PROJECTED" in text
 
@@ -83,10 +104,28 @@ def test_bench_attention_tiny_cli(tmp_path):
     text = _script("bench_attention.py", "--device", "cpu", "--tiny", "--json", str(out))
     r = json.loads(out.read_text())
     _finite(r, ["fwd_s", "bwd_s", "fwd_bwd_s", "fwd_tflops", "fwd_flops", "bwd_flops"], "attention")
-    assert r["backend"] == "flash" and "flash" in r["backend_ran"]
+    assert r["backend"] == r["backend_pinned"] == "cpu_flash" and "flash" in r["backend_ran"]
     assert r["q_shape"] == [1, 512, 2, 32] and r["kv_shape"] == [1, 512, 1, 32]
     assert r["bwd_flops"] == 2.5 * r["fwd_flops"] == 2.5 * 2 * 512**2 * 2 * 32
     assert "PROJECTED" in text
+
+
+def test_compare_backends_skips_a_backend_that_cannot_run():
+    from bench.bench_attention import compare_backends, format_compare
+    c = compare_backends(256, 4, 1, 32, device="cpu", pair=("cudnn", "flash"))
+    assert c["skipped"].startswith("cudnn cannot run 4 query / 1 kv heads") and "diffs" not in c
+    assert "skipped" in format_compare(c)
+
+
+def test_bench_attention_times_the_pinned_backend(monkeypatch):
+    """run() pins the backend pick_backend chooses (as train.py does), and every attention() call
+    inside runs it: a forced choice of math shows up as math's ops, not the CPU flash kernel."""
+    import bench.bench_attention as ba
+    from model.attention import get_backend
+    monkeypatch.setattr(ba, "pinned_backend", lambda *a, **k: "math")
+    r = ba.run(256, 2, model="tiny", device="cpu", tiny=True)
+    assert r["backend"] == r["backend_pinned"] == "math" and r["backend_ops"] == []  # no fused SDPA op ran
+    assert get_backend() is None  # restored afterwards
 
 
 def test_exchange_table_qwen3_8b():

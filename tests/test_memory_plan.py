@@ -18,8 +18,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from memory.plan import (GB, GiB, format_plan, layer_saved_bytes, max_seq_len, param_shapes,
-                         pinned_bytes, plan, plan_to_dict, shard_numel)
+from memory.plan import (GB, GiB, choose_save_attention, format_plan, layer_saved_bytes, max_seq_len,
+                         param_shapes, pinned_bytes, plan, plan_for_run, plan_to_dict, shard_numel)
 from model.config import Qwen3Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -315,3 +315,122 @@ def test_cli_table_json_errors(tmp_path):
     assert r.returncode == 2 and "sp (3) must divide the number of GPUs (8)" in r.stderr
     r = _cli("--model", str(tmp_path / "missing"))
     assert r.returncode == 2 and "no Hugging Face config" in r.stderr
+
+
+# ---- (g) attention once: save_attention -------------------------------------------------------------
+def test_save_attention_flops_are_one_attention_forward_less():
+    """1.52e18 -> 1.20e18 at the recipe (DESIGN.md, issue 13): the recompute skips exactly one
+    causal attention forward per layer, 2 products x T^2/2 x heads x head_dim x 2 FLOPs each."""
+    on = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
+    off = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=False)
+    assert on.flops_step == on.flops_no_attn_recompute == pytest.approx(1.20e18, rel=0.01)
+    assert off.flops_step == off.flops_full_recompute == pytest.approx(1.52e18, rel=0.01)
+    assert off.flops_step - on.flops_step == pytest.approx(36 * 2 * 2 * T_1M**2 / 2 * 32 * 128, rel=1e-12)
+    assert on.step_time_s == pytest.approx(151, abs=1) and off.step_time_s == pytest.approx(192, abs=1)
+    assert on.step_time_s == pytest.approx(on.flops_step / (8 * 989e12), rel=1e-12)
+    assert on.step_time_full_recompute_s == off.step_time_s
+
+
+def test_save_attention_host_bytes_are_the_pools():
+    """Host memory per GPU: L-1 layers' input, out [T, nh/sp, hd] and fp32 lse [nh/sp, T], each
+    laid out in the pool's blocks (model/offload.py host_bytes, rounded per tensor); the last layer's
+    three stay on the device and show up in the loss phase."""
+    from model.attention import saved_attention_bytes
+    from model.offload import host_bytes
+
+    for T in (T_1M, 3 * T_1M + 8 * 1024 * 5):  # powers of two, and lengths the blocks round up
+        on = plan(QWEN3_8B, T, gpus=8, sp=8, save_attention=True)
+        off = plan(QWEN3_8B, T, gpus=8, sp=8)
+        t = T // 8
+        x, out, lse = t * 4096 * 2, T * 4 * 128 * 2, 4 * T * 4  # [t, H], [T, 32/8, 128] bf16, [32/8, T] fp32
+        assert out + lse == saved_attention_bytes(T, 32, 128, 2, sp=8)
+        assert on.saved_attention_host_per_gpu == 35 * (host_bytes(out) + host_bytes(lse))
+        assert on.saved_inputs_host_per_gpu == 35 * host_bytes(x)
+        assert off.saved_inputs_host_per_gpu == 36 * host_bytes(x) and off.saved_attention_host_per_gpu == 0
+        assert on.host_per_node - off.host_per_node == 8 * (35 * (host_bytes(out) + host_bytes(lse)) - host_bytes(x))
+        assert on.offload_bytes_per_step == 2 * 35 * (x + out + lse)
+        key = "last layer's input, attention out and lse (attention once, on the device)"
+        assert on.loss_detail[key] == x + out + lse and key not in off.loss_detail
+        assert on.saved_attention_gpu == 0 and on.held == off.held
+    at_1m = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
+    assert at_1m.saved_attention_host_per_gpu == 35 * (2**30 + 2**24)  # 1 GiB + 16 MiB per layer per GPU
+
+
+def test_save_attention_without_offload_stays_on_the_gpu():
+    on = plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False, save_attention=True)
+    off = plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False)
+    assert on.saved_attention_host_per_gpu == 0 and on.host_per_node == off.host_per_node
+    assert on.saved_attention_gpu == 35 * (2**30 + 2**24)  # the layer in backward counts its own
+    key = "last layer's input, attention out and lse (attention once, on the device)"
+    assert on.loss_detail[key] == 2**30 + 2**24  # its input is among the saved inputs on the GPU already
+    assert on.total - off.total >= on.saved_attention_gpu
+
+
+def test_pool_pins_what_the_plan_says(monkeypatch):
+    """A real Qwen3 on CPU through apply_offload(save_attention=True): the pool's pinned bytes and
+    device-to-host bytes of one step are the planner's, with min_bytes keeping small tensors home."""
+    from model.attention import set_backend
+    from model.offload import apply_offload
+    from model.qwen3 import Qwen3
+
+    cfg = replace(TINY, num_hidden_layers=3)
+    T = 256
+    for save, min_bytes in ((True, 0), (False, 0), (True, 16 * 1024)):  # lse (4 KiB) below 16 KiB stays
+        torch.manual_seed(0)
+        model = Qwen3(cfg)
+        pool = apply_offload(model, min_bytes=min_bytes, save_attention=save)
+        model(torch.randint(0, cfg.vocab_size, (1, T))).square().sum().backward()
+        s = pool.reset_step()
+        p = plan(cfg, T, gpus=1, sp=1, compute_bytes=4, save_attention=save, offload_min_bytes=min_bytes,
+                 device="cpu")
+        assert s.pinned_bytes == p.saved_inputs_host_per_gpu + p.saved_attention_host_per_gpu, (save, min_bytes)
+        assert 2 * s.d2h_bytes == p.offload_bytes_per_step, (save, min_bytes)
+    assert p.saved_attention_gpu == 2 * 4 * T * 4  # two layers' lse kept on the device
+
+
+def test_choose_save_attention_and_longest_rows():
+    """On while its host memory fits; the longest row with it is shorter (host-bound) and the rule
+    switches it off exactly past that row."""
+    kw = dict(gpus=8, sp=8, gpu_mem_gb=80, host_mem_gb=2000)
+    assert choose_save_attention(QWEN3_8B, T_1M, **kw)
+    n_on = max_seq_len(QWEN3_8B, save_attention=True, **kw)
+    n_off = max_seq_len(QWEN3_8B, save_attention=False, **kw)
+    assert T_1M < n_on < n_off
+    assert plan(QWEN3_8B, n_on, save_attention=True, **kw).fits
+    past = plan(QWEN3_8B, n_on + 8192, save_attention=True, **kw)
+    assert past.fits_gpu and not past.fits_host  # host memory is what stops attention once
+    assert choose_save_attention(QWEN3_8B, n_on, **kw) and not choose_save_attention(QWEN3_8B, n_on + 8192, **kw)
+    assert choose_save_attention(QWEN3_8B, n_on + 8192, **{**kw, "host_mem_gb": None})  # no limit given
+
+
+def test_plan_for_run_reads_save_attention():
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(seq_len=4 * T_1M, offload=True, offload_min_bytes=2**20, tile_mlp=16384, loss_chunk=256,
+                          gpu_mem_gb=80.0, host_mem_gb=2000.0, model="qwen3-8b")
+    auto = plan_for_run(cfg, QWEN3_8B, 8, 8, 1, torch.bfloat16, "cuda")  # no attribute: automatic
+    assert not auto.save_attention and "over --host-mem-gb 2000" in auto.save_attention_why
+    assert auto.save_attention == choose_save_attention(QWEN3_8B, 4 * T_1M, gpus=8, sp=8, mlp_tile=16384,
+                                                        offload_min_bytes=2**20, host_mem_gb=2000.0)
+    forced = plan_for_run(SimpleNamespace(**vars(cfg), save_attention=True), QWEN3_8B, 8, 8, 1, 2, "cuda")
+    assert forced.save_attention and not forced.fits_host and forced.save_attention_why == "--save-attention"
+    short = plan_for_run(SimpleNamespace(**{**vars(cfg), "seq_len": T_1M}, save_attention=None),
+                         QWEN3_8B, 8, 8, 1, 2, "cuda")
+    assert short.save_attention and short.flops_step == short.flops_no_attn_recompute
+
+
+def test_dry_run_shows_both_variants_fast():
+    import time
+    t0 = time.perf_counter()
+    text = format_plan(plan(QWEN3_8B, T_1M, gpus=8, sp=8, host_mem_gb=2000, save_attention=True))
+    assert time.perf_counter() - t0 < 1.0
+    n_on = max_seq_len(QWEN3_8B, gpus=8, sp=8, host_mem_gb=2000, save_attention=True)
+    n_off = max_seq_len(QWEN3_8B, gpus=8, sp=8, host_mem_gb=2000, save_attention=False)
+    for s in ("kept (attention once) <- this run", "recomputed", "1.197e+18", "1.521e+18", f"{n_on:,}",
+              f"{n_off:,}", f"rows longer than {n_on:,} tokens need --no-save-attention"):
+        assert s in text, s
+    r = _cli("--seq-len", str(4 * T_1M), "--host-mem-gb", "2000")
+    assert r.returncode == 0, r.stderr
+    assert "recomputed <- this run" in r.stdout and "auto: it would need" in r.stdout
+    d = json.loads(_cli("--seq-len", str(4 * T_1M), "--save-attention", "--json").stdout)
+    assert d["save_attention"] is True and d["fits_host"] is False
+    assert d["max_seq_len_by_save_attention"] == {"true": n_on, "false": n_off}
