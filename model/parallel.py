@@ -22,6 +22,11 @@ Units of sharding (each one all-gathered when used, and its gradient reduce-scat
 Gradients are SUMMED over all dp x sp ranks, never averaged: the loss on each rank is
 (sum of its token losses) / (global count of labels), so the sum of the per-rank gradients is
 the gradient of the global mean loss, exactly what one process holding every row would get.
+
+cpu_offload=True keeps the fp32 parameter shards, their gradients and (through them) the AdamW
+states in host memory, with FSDP2's own CPUOffloadPolicy: each gather copies a unit's shards to
+the GPU first, each reduce-scatter copies the gradient shards back, and the optimizer steps on
+the CPU. Pinned on CUDA (one pinned buffer per parameter shard, so the copies can overlap).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from model.config import Qwen3Config
 from model.qwen3 import Qwen3
@@ -103,7 +108,7 @@ def mixed_precision(device_type: str, param_dtype: torch.dtype | None = None,
 
 def apply_fsdp(model: Qwen3, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
                reduce_dtype: torch.dtype | None = None, gradient_divide_factor: float = 1.0,
-               reshard_layers: bool = True) -> Qwen3:
+               reshard_layers: bool = True, cpu_offload: bool = False) -> Qwen3:
     """fully_shard the layers, embedding, [norm + lm_head] and root of `model` (see the module
     docstring for the units and why each one reshards or not), in place.
 
@@ -115,6 +120,8 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh, *, param_dtype: torch.dtype | Non
         with sum-only collectives, because the backends' defaults differ (AVG, PREMUL_SUM).
     reshard_layers: False keeps every layer gathered from forward to backward (faster, much more
         memory); the last layer is never resharded either way.
+    cpu_offload: the shards (and so their gradients and optimizer states) live in host memory,
+        pinned when the mesh is on CUDA; materialise with to_empty(device="cpu").
     """
     if not isinstance(model, Qwen3):
         raise TypeError(f"apply_fsdp expects model.qwen3.Qwen3, got {type(model).__name__}")
@@ -122,7 +129,9 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh, *, param_dtype: torch.dtype | Non
         raise ValueError("apply_fsdp: this model is already sharded (fully_shard was applied before)")
     fsdp_mesh = shard_mesh(mesh)
     mp = mixed_precision(fsdp_mesh.device_type, param_dtype, reduce_dtype)
-    shard = dict(mesh=fsdp_mesh, mp_policy=mp)
+    offload = (CPUOffloadPolicy(pin_memory=fsdp_mesh.device_type == "cuda") if cpu_offload
+               else OffloadPolicy())  # OffloadPolicy(): fully_shard's default, no offload
+    shard = dict(mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload)
 
     layers = list(model.model.layers)
     for i, layer in enumerate(layers):
@@ -168,13 +177,15 @@ def build_sharded_model(config: Qwen3Config, mesh: DeviceMesh, *, device: str | 
                         model_dir: str | None = None, dtype: torch.dtype = torch.float32,
                         param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                         gradient_divide_factor: float = 1.0, progress: bool = True,
-                        ) -> tuple[Qwen3, LoadStats | None]:
+                        cpu_offload: bool = False) -> tuple[Qwen3, LoadStats | None]:
     """Meta build -> shard -> materialise on `device` -> load `model_dir` (or init_weights()).
 
     No rank ever holds a full copy: parameters exist only as shapes until they are sharded, and
     each rank then reads only its rows of the checkpoint. `dtype` is that of the shards (the
     master weights the optimizer updates). Returns (model, load stats; None when initialised).
     Initialising from scratch on GPU needs the same torch.manual_seed on every rank.
+    cpu_offload: the shards are materialised in host memory (see apply_fsdp); computation still
+    runs on `device`, where FSDP2 copies each unit's shards to gather them.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -184,8 +195,10 @@ def build_sharded_model(config: Qwen3Config, mesh: DeviceMesh, *, device: str | 
     with torch.device("meta"):
         model = Qwen3(config).to(dtype)
     apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-               gradient_divide_factor=gradient_divide_factor)
-    model.to_empty(device=device)  # allocates this rank's shards only, uninitialised
+               gradient_divide_factor=gradient_divide_factor, cpu_offload=cpu_offload)
+    # Allocates this rank's shards only, uninitialised; with cpu_offload in host memory (FSDP2
+    # pins them and checks they are on the CPU when the first forward starts).
+    model.to_empty(device="cpu" if cpu_offload else device)
     if model_dir is None:
         model.init_weights()
         return model, None
