@@ -76,6 +76,7 @@ class TrainConfig:
     yarn_original: int = 32768  # original_max_position_embeddings for --yarn-factor
     offload: bool = True  # layer inputs to host memory (checkpoint-with-offload)
     offload_min_bytes: int = 1 << 20  # smaller layer inputs stay where they are
+    cpu_offload: bool = False  # fp32 parameter shards, gradients and AdamW states in host memory; AdamW steps on the CPU (projected: GPU memory -16 GB per GPU at the recipe)
     tile_mlp: int = 0  # tokens per MLP tile in forward and recompute; 0 = untiled
     loss_chunk: int = 256  # rows per chunk of the cross-entropy
     loss_on: str = "all"  # all | predictable (only labels a synthetic source marks as predictable)
@@ -141,7 +142,7 @@ def parse_args(argv=None) -> TrainConfig:
 # ---------------------------------------------------------------------------------------------
 # Distributed init: torchrun's environment, or one plain process
 # ---------------------------------------------------------------------------------------------
-def init_distributed() -> tuple[int, int, int, torch.device]:
+def init_distributed(cpu_offload: bool = False) -> tuple[int, int, int, torch.device]:
     if "RANK" not in os.environ:  # a plain `python train.py`: a group of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
@@ -150,7 +151,10 @@ def init_distributed() -> tuple[int, int, int, torch.device]:
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         # An hour, not NCCL's 10 minutes: local rank 0 may be downloading 16 GB while the others wait.
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=60))
+        # --cpu-offload: the gradients are DTensors in host memory, and the global norm's all-reduce
+        # over them needs a CPU backend next to NCCL (untested here: no GPU in CI).
+        backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+        dist.init_process_group(backend, device_id=device, timeout=timedelta(minutes=60))
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timedelta(minutes=60))
@@ -187,10 +191,11 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    # --cpu-offload: the shards AdamW updates are in host memory, so it steps on the CPU (foreach)
     decay = [p for p in model.parameters() if p.ndim >= 2]  # matrices and embeddings; norms are not decayed
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    fused = {"fused": True} if device.type == "cuda" and not cfg.cpu_offload else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **fused)
 
 
@@ -231,7 +236,7 @@ def main(argv=None) -> None:
     lock = open_run_dir(cfg, probe=cfg.check_only) if int(os.environ.get("RANK", 0)) == 0 else None
     if cfg.check_only:
         return
-    rank, world, local_world, device = init_distributed()
+    rank, world, local_world, device = init_distributed(cfg.cpu_offload)
     try:
         train(cfg, rank, world, local_world, device)
         dist.barrier()  # nobody tears down the group while another rank still saves
@@ -276,7 +281,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
     mesh = build_mesh(world, sp, device.type)
     t0 = time.perf_counter()
-    model, load_stats = build_sharded_model(mc, mesh, device=device, model_dir=model_dir, param_dtype=dtype)
+    model, load_stats = build_sharded_model(mc, mesh, device=device, model_dir=model_dir, param_dtype=dtype,
+                                            cpu_offload=cfg.cpu_offload)
     log0(f"model ready in {time.perf_counter() - t0:.1f} s"
          + (f", read {load_stats.bytes_read / 2**30:.2f} GiB on rank 0" if load_stats else ", random init"))
     model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
@@ -320,7 +326,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        meter = StepMeter(device, model=model, optimizer=optimizer, host=offload).start() if measure else None
+        meter = StepMeter(device, model=model, optimizer=optimizer, host=offload,
+                          host_state=cfg.cpu_offload).start() if measure else None
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
         for g in optimizer.param_groups:

@@ -16,7 +16,10 @@ Two things are not op outputs and are caught separately:
     and optimizer passed in, plus any `baseline` tensors (the batch).
 Host memory on a GPU run is left out: the storages of `host` objects (an OffloadPool's buffers,
 or plain tensors) found at the end of the step are dropped from the whole timeline, so the peak
-is what the device would hold. Kernel workspaces (what a CUDA kernel allocates inside itself,
+is what the device would hold. With `host_state=True` (FSDP2's CPU offload, train.py --cpu-offload)
+the model's parameter shards, their gradients (taken when the optimizer steps: they are gone by
+the end of the step) and the optimizer's states are host memory too, and left out the same way.
+Kernel workspaces (what a CUDA kernel allocates inside itself,
 e.g. FlashAttention's fp32 dq accumulator) are invisible here, as they are to a CPU kernel.
 """
 
@@ -125,8 +128,9 @@ class StepMeter:
     """
 
     def __init__(self, device, *, model=None, optimizer=None, baseline=(), host=(),
-                 force_cpu_meter: bool = False, record: bool = False):
+                 host_state: bool = False, force_cpu_meter: bool = False, record: bool = False):
         self.device = torch.device(device)
+        self.host_state = host_state
         self.model, self.optimizer, self.baseline, self.host = model, optimizer, baseline, host
         self.cuda = self.device.type == "cuda" and not force_cpu_meter
         self.peak_bytes = self.start_bytes = self.end_bytes = 0
@@ -165,8 +169,34 @@ class StepMeter:
             return out
 
         torch.UntypedStorage.resize_ = resize_
+        self._state_ids, self._hook = set(), None
+        if self.host_state:
+            self._state_ids |= self._ids_of(self._model_state())
+            if self.optimizer is not None:  # gradients exist from backward until zero_grad
+                self._hook = self.optimizer.register_step_pre_hook(
+                    lambda *_: self._state_ids.update(self._ids_of(self._model_state())))
         c.__enter__()
         return self
+
+    def _model_state(self) -> list[torch.Tensor]:
+        """Parameters, gradients and optimizer states: what FSDP2's CPU offload keeps on the host."""
+        out = []
+        if self.model is not None:
+            for p in self.model.parameters():
+                out += [p] + ([p.grad] if p.grad is not None else [])
+        if self.optimizer is not None:
+            for st in self.optimizer.state.values():
+                out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return out
+
+    def _ids_of(self, tensors) -> set[int]:
+        c, ids = self._counter, set()
+        for t in tensors:
+            for p in _plain(t):
+                s = p.untyped_storage()
+                c.track_storage(s)
+                ids.add(c._ids[s])
+        return ids
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
@@ -177,9 +207,13 @@ class StepMeter:
         c = self._counter
         c.__exit__(*exc)
         torch.UntypedStorage.resize_ = self._resize
+        if self.host_state:
+            self._state_ids |= self._ids_of(self._model_state())
+            if self._hook is not None:
+                self._hook.remove()
         # Host buffers (alive now) are left out of the whole timeline: drop their storage ids.
         host_ptrs = {t.untyped_storage().data_ptr() for t in host_tensors(self.host)}
-        skip = {i for i, p in c.ptr.items() if p in host_ptrs and c.size.get(i)}
+        skip = {i for i, p in c.ptr.items() if p in host_ptrs and c.size.get(i)} | self._state_ids
         live = peak = 0
         now: dict[int, int] = {}
         for k, (d, i) in enumerate(list(c.events)):

@@ -22,6 +22,15 @@ plan counts both sides: host blocks for L-1 layers, and the last layer's three t
 while the loss runs. choose_save_attention is the rule a run without --save-attention /
 --no-save-attention follows: on when its plan fits host memory (and the GPU, if the other fits).
 
+CPU offload (cpu_offload=True, FSDP2's CPUOffloadPolicy, train.py --cpu-offload): the fp32
+parameter shards, gradient shards and AdamW states live in host memory, the parameters and
+gradients pinned by torch's host allocator, which rounds each allocation up to a power of two
+(FSDP2 pins one buffer per parameter shard and one per gradient shard: counted per parameter).
+The GPU then holds no fp32 state; what FSDP2 copies to it (a unit's fp32 shards before their
+all-gather, a unit's reduce-scatter output before it goes to host) is counted on CUDA as one
+unit's shards each. AdamW steps on the CPU: its time is projected from the bytes it touches and
+an assumed host memory bandwidth (host_gbps), and the PCIe traffic per step is counted.
+
 It predicts what memory/meter.py measures (torch.cuda.max_memory_allocated on a GPU): the live
 tensor bytes at the step's largest moment, for the rank holding the largest shards (FSDP2 pads
 every tensor's first dimension to a multiple of the world size). The moments are the loss (in
@@ -109,6 +118,20 @@ def pinned_bytes(n: int) -> int:
     return -(-n // block) * block
 
 
+def host_pinned_bytes(n: int) -> int:
+    """Bytes torch's pinned host allocator (CachingHostAllocator) takes for one n-byte buffer: n
+    rounded up to a power of two. FSDP2's CPU offload pins each parameter shard and each gradient
+    shard this way (a 3 GiB buffer would cost 4)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+# foreach AdamW (torch.optim.AdamW, foreach=True) on the CPU, 4-byte elements touched per
+# parameter element in one step: weight decay mul_ 2, lerp_ of exp_avg 3, mul_ of exp_avg_sq 2,
+# addcmul_ 3, sqrt 2, div_ 2, add_ eps 2, addcdiv_ into the parameter 4 = 20; gradient clipping:
+# the norm reads the gradient (1), the scale reads and writes it (2). Each is a pass over memory.
+ADAMW_CPU_PASSES = 20 + 3
+
+
 def _gathered_numel(shapes, world: int) -> int:
     # An all-gathered unit keeps the padding: world x the padded shard.
     return sum(shard_numel(s, world) * world for s in shapes)
@@ -145,6 +168,8 @@ class Plan:
     save_attention: bool          # attention's out and lse kept from the forward (attention once)
     save_attention_why: str       # how it was chosen: "given", or choose_save_attention's reason
     offload_min_bytes: int        # smaller tensors stay on the device (model/offload.py's min_bytes)
+    cpu_offload: bool             # fp32 parameter shards, gradients and AdamW states in host memory
+    host_gbps: float              # assumed host memory bandwidth per node (GB/s), for the CPU AdamW time
     # memory per GPU
     param_shards: int
     grad_shards: int
@@ -166,6 +191,10 @@ class Plan:
     saved_attention_host_per_gpu: int  # pinned out + lse blocks of L-1 layers (attention once)
     host_per_node: int
     offload_bytes_per_step: int   # per GPU, device to host plus host to device
+    state_host_per_gpu: int       # cpu_offload: fp32 shards + gradients (pinned, rounded) + AdamW states
+    state_transfer_bytes_per_step: int  # cpu_offload: fp32 shards to the GPU per gather + gradients back, per GPU
+    cpu_adamw_bytes_per_node: int  # cpu_offload: host memory traffic of clipping + AdamW per step
+    cpu_adamw_time_s: float       # cpu_offload: that traffic / host_gbps (projected)
     # FLOPs per step (all dp groups) and projected times
     flops_full_recompute: float
     flops_no_attn_recompute: float
@@ -413,7 +442,8 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
          host_overhead_gb: float = 4.0, tflops: float = 989.0, mfu: float = 1.0,
          attn_bwd_factor: float = 2.5, model: str | None = None, device: str = "cuda",
          norm_chunk: int = NORM_CHUNK, save_attention: bool = False, offload_min_bytes: int = 0,
-         save_attention_why: str = "given") -> Plan:
+         save_attention_why: str = "given", cpu_offload: bool = False,
+         host_gbps: float = 200.0) -> Plan:
     """Memory per GPU, host memory per node, FLOPs and a projected step time for one step.
 
     reserve_gb: CUDA context, NCCL buffers and allocator slack kept free when deciding what fits.
@@ -421,6 +451,8 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
     mfu: the fraction of `tflops` the projection assumes; 1.0 gives the physical floor.
     save_attention: attention once (see the module docstring); choose_save_attention picks it.
     offload_min_bytes: with offload, tensors under this many bytes stay on the device, as in the pool.
+    cpu_offload: FSDP2 CPU offload of the fp32 state (see the module docstring).
+    host_gbps: assumed host memory bandwidth per node for the CPU AdamW step's projected time.
     """
     dp = check_layout(config, seq_len, gpus, sp, dp, gpus_per_node)
     if not tiled_mlp or not mlp_tile:  # train.py's --tile-mlp 0 (None to apply_offload): untiled
@@ -461,7 +493,9 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
     # The other L-1 layers' attention kept on the GPU when not offloaded (the layer in backward
     # counts its own among its saved tensors; the last layer's are added to the loss phase).
     attn_gpu = (L - 1) * (A_out * (not out_off) + A_lse * (not lse_off))
-    held = shards + 2 * shards + saved_gpu + attn_gpu  # parameters, 2 AdamW states (gradients come in backward)
+    # parameters, 2 AdamW states (gradients come in backward); none of them with cpu_offload
+    state_gpu = 0 if cpu_offload else shards + 2 * shards
+    held = state_gpu + saved_gpu + attn_gpu
 
     # Layer phase, during layer i's backward (i = L-1 first). FSDP2 holds layer i and the unit
     # it prefetches next (layer i-1; the untied embedding at i = 0), the fp32 reduce-scatter input
@@ -472,6 +506,8 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
                                               mlp_tile=mlp_tile, fused_norm=fused_norm, compute_bytes=b,
                                               device=device, norm_chunk=norm_chunk)
 
+    staged = cpu_offload and device == "cuda"
+
     def at_layer(i: int) -> dict[str, int]:
         done = (L - 1 - i) * layer_shard + (0 if tied else shard_numel((c.vocab_size, c.hidden_size), world)
                                             * master_bytes + shard_numel((c.hidden_size,), world) * master_bytes)
@@ -480,7 +516,11 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
         return {"gathered layer (bf16)": layer_params * b, "next unit, prefetched": nxt,
                 "tied embedding (root unit)": emb if tied else 0,
                 "fp32 reduce-scatter input of the unit before": prev * master_bytes,
-                "gradient shards reduced so far": done}
+                "gradient shards reduced so far": 0 if cpu_offload else done,
+                # CPU offload on CUDA: the next unit's fp32 shards copied in for its all-gather and
+                # the unit before's reduce-scatter output on its way out (CPU: both are no-ops).
+                "fp32 shards copied to the GPU (CPU offload)": layer_shard if staged else 0,
+                "fp32 gradient shards before the host copy (CPU offload)": layer_shard if staged else 0}
 
     position = max(sorted({L - 1, min(1, L - 1), 0}), key=lambda i: sum(at_layer(i).values()))
     fsdp = at_layer(position)
@@ -508,6 +548,21 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
     attn_host = (L - 1) * ((pinned_bytes(A_out) if out_off else 0) + (pinned_bytes(A_lse) if lse_off else 0))
     host = node * (saved_host + attn_host + int(host_overhead_gb * GB))
     traffic = 2 * (moved * X * x_off + (L - 1) * (A_out * out_off + A_lse * lse_off))
+    # CPU offload: the state in host memory (shards and gradients pinned per parameter, AdamW's
+    # zeros_like states pageable), every gather's fp32 shards in and every gradient shard out, and
+    # the CPU AdamW step's memory traffic over the node.
+    state_host = transfer = adamw_bytes = 0
+    if cpu_offload:
+        numels = [shard_numel(sh, world) for sh in param_shapes(c).values()]
+        state_host = sum(2 * host_pinned_bytes(n * master_bytes) + 2 * n * master_bytes for n in numels)
+        host += node * state_host
+        # Gathers per step: layers resharded after forward twice (forward, backward), the last
+        # layer once; untied: the embedding twice, [norm + lm_head] once; tied: the root once.
+        emb_shard = shard_numel((c.vocab_size, c.hidden_size), world) * master_bytes
+        head = (0 if tied else emb_shard) + shard_numel((c.hidden_size,), world) * master_bytes
+        gathers = (2 * (L - 1) + 1) * layer_shard + (emb_shard + head if tied else 2 * emb_shard + head)
+        transfer = gathers + shards
+        adamw_bytes = node * ADAMW_CPU_PASSES * shards
     fl = step_flops(c, seq_len, attn_bwd_factor=attn_bwd_factor)
     rate = gpus * tflops * 1e12 * mfu
     run_flops = dp * fl["no_attn_recompute" if S else "full_recompute"]
@@ -518,6 +573,9 @@ def plan(config: Qwen3Config, seq_len: int, *, gpus: int, sp: int, dp: int | Non
         reserve_gb=reserve_gb, host_mem_gb=host_mem_gb, host_overhead_gb=host_overhead_gb,
         tflops=tflops, mfu=mfu, attn_bwd_factor=attn_bwd_factor, device=device, norm_chunk=norm_chunk,
         save_attention=S, save_attention_why=save_attention_why, offload_min_bytes=offload_min_bytes,
+        cpu_offload=bool(cpu_offload), host_gbps=host_gbps,
+        state_host_per_gpu=state_host, state_transfer_bytes_per_step=transfer,
+        cpu_adamw_bytes_per_node=adamw_bytes, cpu_adamw_time_s=adamw_bytes / (host_gbps * GB),
         param_shards=shards, grad_shards=shards, optimizer_states=2 * shards, saved_inputs_gpu=saved_gpu,
         saved_attention_gpu=attn_gpu,
         gathered_layers=gathered_layers, gathered_lm_head=gathered_lm_head, layer_working_set=working,
@@ -560,7 +618,8 @@ def _run_options(cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, 
     return -(-cfg.seq_len // sp) * sp, dict(
         gpus=world, sp=sp, dp=dp, offload=cfg.offload, offload_min_bytes=cfg.offload_min_bytes,
         tiled_mlp=cfg.tile_mlp > 0, mlp_tile=cfg.tile_mlp, loss_chunk=cfg.loss_chunk, compute_bytes=b,
-        gpu_mem_gb=cfg.gpu_mem_gb, host_mem_gb=cfg.host_mem_gb, model=cfg.model, device=device)
+        gpu_mem_gb=cfg.gpu_mem_gb, host_mem_gb=cfg.host_mem_gb, model=cfg.model, device=device,
+        cpu_offload=bool(getattr(cfg, "cpu_offload", False)))
 
 
 def plan_for_run(cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str) -> Plan:
@@ -583,7 +642,8 @@ def _options(p: Plan) -> dict:
     """The keyword arguments that rebuild `p` with plan() (for another seq_len)."""
     keys = ("dp", "gpus_per_node", "offload", "norm_chunk", "tiled_mlp", "mlp_tile", "loss_chunk", "fused_norm",
             "compute_bytes", "master_bytes", "gpu_mem_gb", "reserve_gb", "host_mem_gb", "host_overhead_gb",
-            "tflops", "mfu", "attn_bwd_factor", "model", "device", "save_attention", "offload_min_bytes")
+            "tflops", "mfu", "attn_bwd_factor", "model", "device", "save_attention", "offload_min_bytes",
+            "cpu_offload", "host_gbps")
     return {k: getattr(p, k) for k in keys}
 
 
@@ -670,6 +730,26 @@ def _format_attention_choice(p: Plan, longest: bool) -> list[str]:
     return out
 
 
+def _format_cpu_offload_choice(p: Plan, longest: bool) -> list[str]:
+    """What the other --cpu-offload setting would give (attention chosen by the same rule when this
+    run's was automatic)."""
+    opts = {**_options(p), "cpu_offload": not p.cpu_offload}
+    if p.save_attention_why.startswith("auto"):
+        opts["save_attention"] = choose_save_attention(p.config, p.seq_len, gpus=p.gpus, sp=p.sp, **opts)
+    q = plan(p.config, p.seq_len, gpus=p.gpus, sp=p.sp, **opts)
+    flag = "--cpu-offload" if q.cpu_offload else "--no-cpu-offload"
+    out = ["", f"with {flag} (attention {'kept' if q.save_attention else 'recomputed'}): peak "
+               f"{q.total / GB:.2f} GB per GPU (this run {p.total / GB:.2f}), host {q.host_per_node / GB:.0f} GB "
+               f"per node (this run {p.host_per_node / GB:.0f}), {'fits' if q.fits else 'does not fit'}"]
+    if longest:
+        n = {v: max_seq_len(q.config, q.gpus, q.sp, **{**opts, "save_attention": v}) for v in (True, False)}
+        out.append(f"  longest row with {flag}: {n[True]:,} tokens attention kept, {n[False]:,} recomputed")
+    if q.cpu_offload:
+        out.append(f"  cost (projected): {q.state_transfer_bytes_per_step / GB:.1f} GB more PCIe traffic per GPU "
+                   f"per step, AdamW on the CPU {q.cpu_adamw_time_s:.1f} s at {q.host_gbps:g} GB/s host bandwidth")
+    return out
+
+
 def format_plan(p: Plan, *, longest: bool = True) -> str:
     """A readable table of the plan, next to the public recipe's figures."""
     c = p.config
@@ -682,17 +762,20 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
         f"offload {'on' if p.offload else 'off'}, tiled MLP {tile}, loss chunk {p.loss_chunk}, "
         f"{'fused' if p.fused_norm else 'unfused (fp32 input copy saved)'} RMSNorm, "
         f"{8 * p.compute_bytes}-bit compute, "
-        f"{8 * p.master_bytes}-bit master weights and AdamW",
+        f"{8 * p.master_bytes}-bit master weights and AdamW"
+        + (" in host memory (CPU offload)" if p.cpu_offload else ""),
         "",
         f"{'per GPU (GB = 1e9 B)':48}{'GB':>9}",
-        f"  {'fp32 parameter shards':46}{g(p.param_shards)}",
-        f"  {'AdamW states (2 x fp32)':46}{g(p.optimizer_states)}",
+        f"  {'fp32 parameter shards':46}{g(0 if p.cpu_offload else p.param_shards)}"
+        + ("   (in host memory: --cpu-offload)" if p.cpu_offload else ""),
+        f"  {'AdamW states (2 x fp32)':46}{g(0 if p.cpu_offload else p.optimizer_states)}",
         f"  {'saved layer inputs on GPU':46}{g(p.saved_inputs_gpu)}   "
         + (f"({L - p.save_attention} x {p.tokens_per_gpu:,} x {H} x {p.compute_bytes} B in host memory"
            + ("; the last layer's in the loss phase)" if p.save_attention else ")") if not p.saved_inputs_gpu
            else f"({L} x {p.tokens_per_gpu:,} x {H} x {p.compute_bytes} B)"),
         f"  {'= held from the step start':46}{g(p.held)}   "
-        f"(fp32 gradient shards, {p.grad_shards / GB:.2f} GB in all, come during backward)",
+        + (f"(fp32 gradient shards, {p.grad_shards / GB:.2f} GB in all, go to host memory as they come)"
+           if p.cpu_offload else f"(fp32 gradient shards, {p.grad_shards / GB:.2f} GB in all, come during backward)"),
         f"  {'gathered bf16 parameters':46}{g(p.gathered_params)}   "
         f"(layer phase {p.gathered_layers / GB:.2f} | loss phase {p.gathered_lm_head / GB:.2f})",
         f"  {'one layer backward: activations + gradients':46}{g(p.layer_working_set)}   "
@@ -713,12 +796,21 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
         f"{g(p.saved_attention_host_per_gpu * p.gpus_per_node)}   "
         + (f"({p.saved_attention_host_per_gpu * p.gpus_per_node / GiB:.1f} GiB, {L - 1} layers; "
            f"the last layer's stay on the GPU)" if p.save_attention else "(attention recomputed)"),
+        f"  {'CPU offload: shards, grads (pinned), AdamW':46}"
+        f"{g(p.state_host_per_gpu * p.gpus_per_node)}   "
+        + (f"({p.state_host_per_gpu / GB:.2f} GB per GPU: {p.param_shards / GB:.2f} x 4 of state, pinned "
+           f"buffers rounded to powers of two per parameter)" if p.cpu_offload else "(off: on the GPU)"),
         f"  {f'runtime, {p.host_overhead_gb:g} GB per process (assumed)':46}"
         f"{g(p.host_overhead_gb * GB * p.gpus_per_node)}",
         f"  {'total':46}{g(p.host_per_node)}   "
         + ("(no limit given)" if p.host_mem_gb is None else
            f"of {p.host_mem_gb:g} GB: {'fits' if p.fits_host else 'DOES NOT FIT'}"),
         f"  {'offload traffic per GPU per step (both ways)':46}{g(p.offload_bytes_per_step)}",
+        *([f"  {'CPU offload PCIe traffic per GPU per step':46}{g(p.state_transfer_bytes_per_step)}   "
+           f"(fp32 shards in for every gather, gradient shards out; projected)",
+           f"  {'CPU AdamW + clipping, host memory traffic':46}{g(p.cpu_adamw_bytes_per_node)}   "
+           f"per node per step: {ADAMW_CPU_PASSES} x 4 B per parameter; at an assumed {p.host_gbps:g} GB/s "
+           f"{p.cpu_adamw_time_s:.1f} s added to the step (projected)"] if p.cpu_offload else []),
         "",
         f"FLOPs per step ({p.dp * p.seq_len:,} tokens)",
         f"  {'full recomputation' + ('' if p.save_attention else ' (what runs)'):38}"
@@ -732,7 +824,7 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
     if p.seq_len > c.max_position_embeddings:
         out.append(f"  note: {p.seq_len:,} tokens exceed the config's max_position_embeddings "
                    f"({c.max_position_embeddings:,}); use YaRN (Qwen3Config.with_yarn)")
-    out += ["", *_format_attention_choice(p, longest)]
+    out += ["", *_format_attention_choice(p, longest), *_format_cpu_offload_choice(p, longest)]
     if longest:
         n = max_seq_len(c, p.gpus, p.sp, **_options(p))
         out.append("")
@@ -808,6 +900,10 @@ def main(argv: list[str] | None = None) -> int:
                     "its host memory fits --host-mem-gb, choose_save_attention)")
     ap.add_argument("--no-save-attention", dest="save_attention", action="store_false",
                     help="recompute attention in backward (less host memory)")
+    ap.add_argument("--cpu-offload", action="store_true",
+                    help="fp32 parameter shards, gradients and AdamW states in host memory (FSDP2 CPU offload)")
+    ap.add_argument("--host-gbps", type=float, default=200.0,
+                    help="assumed host memory bandwidth per node, for the CPU AdamW step's time")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     a = ap.parse_args(argv)
     name = a.model if a.model in PRESETS else os.path.basename(os.path.normpath(a.model))
@@ -817,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
                   dp=a.dp, gpus_per_node=a.gpus_per_node, offload=a.offload, tiled_mlp=a.tiled_mlp,
                   mlp_tile=a.mlp_tile, loss_chunk=a.loss_chunk, fused_norm=a.fused_norm,
                   gpu_mem_gb=a.gpu_mem_gb, reserve_gb=a.reserve_gb, host_mem_gb=a.host_mem_gb,
-                  tflops=a.tflops, mfu=a.mfu, model=name)
+                  tflops=a.tflops, mfu=a.mfu, model=name, cpu_offload=a.cpu_offload, host_gbps=a.host_gbps)
         if a.save_attention is None:
             save, why = _choose_save_attention(config, a.seq_len, **kw)
         else:
