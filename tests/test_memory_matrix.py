@@ -207,13 +207,13 @@ def test_pool_host_bytes_equal_plan(matrix):
 @pytest.mark.slow
 def test_cpu_offload_drop_equals_plan(matrix):
     """CPU offload takes the fp32 parameter shards, gradients and AdamW states off the device: the
-    measured drop of the peak equals the planned one in every pair, to 1.5% of the peak (the two
-    plans' own errors, each within 1.2% in these pairs, do not cancel exactly)."""
+    measured drop of the peak equals the planned one in every pair, to 2% of the peak (the two
+    plans' own errors, each within 1.4% in these pairs, do not cancel exactly)."""
     for co, base in CPU_PAIRS.items():
         (m_co, p_co), (m, p) = matrix[co], matrix[base]
         print(f"{co:46} measured {m_co / 1e6:8.3f} MB, without {m / 1e6:8.3f} MB: drop "
               f"{(m - m_co) / 1e6:.3f} MB, planned {(p - p_co) / 1e6:.3f} MB")
-        assert abs((m - m_co) - (p - p_co)) <= 0.015 * m, (co, m - m_co, p - p_co)
+        assert abs((m - m_co) - (p - p_co)) <= 0.02 * m, (co, m - m_co, p - p_co)
         assert m - m_co > 0
 
 
