@@ -434,3 +434,55 @@ def test_dry_run_shows_both_variants_fast():
     d = json.loads(_cli("--seq-len", str(4 * T_1M), "--save-attention", "--json").stdout)
     assert d["save_attention"] is True and d["fits_host"] is False
     assert d["max_seq_len_by_save_attention"] == {"true": n_on, "false": n_off}
+
+
+# ---- CPU offload (FSDP2 CPUOffloadPolicy): the fp32 state in host memory ----------------------------
+def _pow2(n: int) -> int:
+    """torch's pinned host allocator: the next power of two at or above n."""
+    return 2 ** math.ceil(math.log2(n))
+
+
+def test_cpu_offload_moves_the_state_to_host():
+    from model.qwen3 import Qwen3
+
+    kw = dict(gpus=8, sp=8, host_mem_gb=2000, save_attention=False, mlp_tile=16384, offload_min_bytes=2**20)
+    off, on = plan(QWEN3_8B, T_1M, **kw), plan(QWEN3_8B, T_1M, cpu_offload=True, **kw)
+    with torch.device("meta"):
+        shapes = [p.shape for p in Qwen3(QWEN3_8B).parameters()]
+    rows = [-(-s[0] // 8) * math.prod(s[1:]) for s in shapes]  # rank 0's padded shard of each parameter
+    # host per GPU: parameter and gradient shards pinned one buffer each, the two AdamW moments pageable
+    state = sum(2 * _pow2(4 * n) + 2 * 4 * n for n in rows)
+    assert on.state_host_per_gpu == state and on.host_per_node - off.host_per_node == 8 * state
+    assert 1.1 < state / (16 * sum(rows)) < 1.25  # the rounding costs 10-25% over the 16 B per parameter
+    assert off.held - on.held == 3 * 4 * sum(rows) and "gradient shards reduced so far" not in on.layer_detail
+    # the GPU keeps one unit's fp32 shards on their way in and one unit's gradient shards on their way out
+    layer = sum(rows[1:12])  # rows[0] is the embedding, then layer 0's 11 parameters
+    staged = {k: v for k, v in on.layer_detail.items() if "(CPU offload)" in k}
+    assert list(staged.values()) == [4 * layer, 4 * layer]
+    cpu = plan(QWEN3_8B, T_1M, cpu_offload=True, device="cpu", **kw)
+    assert not any("(CPU offload)" in k for k in cpu.layer_detail)
+    # PCIe: every unit's shards in for each gather (twice, but once for the last layer and the
+    # [norm + lm_head] unit, which stay gathered from forward to backward), every gradient shard out
+    head = rows[-1] + rows[-2]
+    assert on.state_transfer_bytes_per_step == 4 * (2 * sum(rows) - layer - head) + 4 * sum(rows)
+    assert on.cpu_adamw_bytes_per_node == 8 * 23 * 4 * sum(rows) and on.cpu_adamw_time_s == pytest.approx(
+        on.cpu_adamw_bytes_per_node / 200e9)
+    assert off.state_host_per_gpu == off.state_transfer_bytes_per_step == off.cpu_adamw_bytes_per_node == 0
+    # issue 12's goals, projected at the recipe: <= 30 GB per GPU, >= 5,242,880 tokens on 8 x 80 GB
+    assert on.total <= 30 * GB < off.total
+    assert max_seq_len(QWEN3_8B, cpu_offload=True, **kw) >= 5_242_880 > max_seq_len(QWEN3_8B, **kw)
+
+
+def test_cpu_offload_through_plan_for_run_cli_and_table():
+    from types import SimpleNamespace
+    cfg = SimpleNamespace(seq_len=T_1M, offload=True, offload_min_bytes=2**20, tile_mlp=16384, loss_chunk=256,
+                          gpu_mem_gb=80.0, host_mem_gb=2000.0, model="qwen3-8b", cpu_offload=True)
+    p = plan_for_run(cfg, QWEN3_8B, 8, 8, 1, torch.bfloat16, "cuda")
+    assert p.cpu_offload and p.state_host_per_gpu > 0
+    assert not plan_for_run(SimpleNamespace(**{**vars(cfg), "cpu_offload": False}), QWEN3_8B, 8, 8, 1, 2,
+                            "cuda").cpu_offload
+    text = format_plan(p)
+    assert "in host memory (CPU offload)" in text and "with --no-cpu-offload" in text
+    assert "with --cpu-offload" in format_plan(plan(QWEN3_8B, T_1M, gpus=8, sp=8, host_mem_gb=2000))
+    d = json.loads(_cli("--cpu-offload", "--json").stdout)
+    assert d["cpu_offload"] is True and d["gb_per_gpu"]["total"] < 30
