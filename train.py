@@ -7,10 +7,9 @@
     python train.py --preset demo --check-only                 # every check (flags, model, data, --out), then exit
 
 Sections: config | distributed init | optimizer | main: checks | model | data | resume | steps | save.
-Every check runs before the process group and before any weight is read (run/checks.py); the run
-holds a lock on --out (run/rundir.py); checkpoints are checked, rotated and resumed by run/checkpoint.py.
-Each sp group of GPUs shares one row (Ulysses: every GPU holds T/sp tokens), dp groups take
-different rows, and FSDP2 shards the parameters over all of them.
+Every check runs before the process group and any weight is read (run/checks.py); the run holds a
+lock on --out (run/rundir.py); checkpoints are checked, rotated and resumed by run/checkpoint.py.
+Each sp group shares one row (Ulysses: T/sp tokens per GPU); dp groups take different rows.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402 (after the signal handlers on purpose)
 import torch.distributed as dist
+from tqdm import tqdm
 
 from memory.meter import StepMeter
 from memory.plan import format_plan, plan_for_run, step_flops
@@ -64,7 +64,7 @@ def arg(default, help: str, choices: tuple | None = None):
 @dataclass
 class TrainConfig:
     model: str = arg("tiny", "a model directory, a preset name (random init), or a hub id such as Qwen/Qwen3-8B")
-    data: str = arg("synthetic:copy", "pg19 | a .txt/.jsonl/.parquet path or directory | tokens:FILE.npy | synthetic:copy | synthetic:repeat")
+    data: str = arg("synthetic:copy", "pg19 | .txt/.jsonl/.parquet file or dir | tokens:FILE.npy | synthetic:copy|repeat")
     seq_len: int = arg(1024, "tokens per row (each row holds seq_len + 1 ids: inputs and shifted labels)")
     steps: int = arg(10, "optimizer steps")
     sp: int = arg(0, "sequence-parallel degree; 0 = every process of the node")
@@ -112,28 +112,21 @@ class TrainConfig:
     check_only: bool = arg(False, "run every check (flags, model, data, --out) in this process and exit")
 
 
-PRESETS = {
-    # The public recipe's shape: Qwen3-8B, PG-19 rows of 1,048,576 tokens, YaRN x32 over 32,768.
-    "qwen3-8b-1m": dict(model="Qwen/Qwen3-8B", data="pg19", seq_len=1_048_576, steps=20, sp=0, lr=1e-5,
-                        warmup_steps=2, dtype="bfloat16", yarn_factor=32.0, yarn_original=32768,
-                        offload=True, tile_mlp=16384, loss_chunk=256, out="runs/qwen3-8b-1m",
-                        eos_token="<|endoftext|>"),  # the base model's document separator, not chat's <|im_end|>
-    # CPU: a small Qwen3 from scratch on rows whose second half repeats the first; with sp=2 every
-    # predictable label's answer lives on the other rank, so the loss falls only through Ulysses.
-    # The model sits on a plateau at ln(64) until it finds the offset, then drops to ~0 within
-    # 100 steps. When it leaves depends on the init: seed 1 at step ~150 (2 processes); some seeds
-    # take 400+ steps, and a decaying rate can keep it there, hence the constant 5e-3.
-    "demo": dict(model="demo", data="synthetic:repeat", seq_len=512, steps=400, sp=0, lr=5e-3, warmup_steps=0, seed=1,
-                 decay="constant", dtype="float32", offload=True, offload_min_bytes=0, tile_mlp=128,
-                 loss_chunk=64, loss_on="predictable", out="runs/demo", save_every=200),
+PRESETS = {  # name: (its line in -h, its fields)
+    "qwen3-8b-1m": ("the public recipe's shape: Qwen3-8B on PG-19 rows of 1,048,576 tokens, YaRN x32, all GPUs",
+                    dict(model="Qwen/Qwen3-8B", data="pg19", seq_len=1_048_576, steps=20, sp=0, lr=1e-5, warmup_steps=2,
+                         dtype="bfloat16", yarn_factor=32.0, yarn_original=32768, offload=True, tile_mlp=16384,
+                         loss_chunk=256, out="runs/qwen3-8b-1m",
+                         eos_token="<|endoftext|>")),  # the base model's document separator, not chat's <|im_end|>
+    # sp=2: every predictable label's answer is on the other rank. The plateau at ln 64 ends at step ~150
+    # for seed 1 (2 processes); some seeds take 400+ steps, a decaying rate can keep it: constant 5e-3.
+    "demo": ("CPU: a 2-layer Qwen3 from scratch learns to copy across sp shards (400 steps)",
+             dict(model="demo", data="synthetic:repeat", seq_len=512, steps=400, sp=0, lr=5e-3, warmup_steps=0, seed=1,
+                  decay="constant", dtype="float32", offload=True, offload_min_bytes=0, tile_mlp=128,
+                  loss_chunk=64, loss_on="predictable", out="runs/demo", save_every=200)),
 }
-# "demo" is a 2-layer Qwen3 for CPUs.
 DEMO_MODEL = dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=64, hidden_size=128, intermediate_size=256,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-
-
-PRESET_HELP = {"qwen3-8b-1m": "Qwen3-8B on PG-19 rows of 1,048,576 tokens, YaRN x32, every GPU of the node",
-               "demo": "CPU: a 2-layer Qwen3 from scratch learns to copy across sp shards (400 steps, about a minute)"}
+                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # for CPUs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -144,7 +137,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv=None) -> TrainConfig:
     """Fields from the dataclass defaults, then --preset or --config (a run's OUT/config.json), then flags."""
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                epilog="presets:\n" + "\n".join(f"  {k:<12} {v}" for k, v in PRESET_HELP.items()))
+                epilog="presets:\n" + "\n".join(f"  {k:<12} {v[0]}" for k, v in PRESETS.items()))
     p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="start from a preset (listed below)")
     p.add_argument("--config", default=None, help="start from a run's OUT/config.json: the same run (flags still override)")
     for f in dataclasses.fields(TrainConfig):
@@ -152,19 +145,18 @@ def parse_args(argv=None) -> TrainConfig:
         more = f"default: {'unset' if f.default is None else f.default!r}" + (
             f"; one of {', '.join(meta['choices'])}" if meta.get("choices") else "")
         kind = dict(action=argparse.BooleanOptionalAction) if f.type.startswith("bool") else dict(
-            type={"int": int, "float": float}.get(f.type, str), metavar=f.name.upper())
+            type={"int": int, "float": float}.get(f.type, str), metavar=f.name.upper(), choices=meta.get("choices"))
         p.add_argument(flag, default=None, help=f"{meta.get('help', '')} ({more})" if meta.get("help") else None, **kind)
     a = vars(p.parse_args(argv))
-    base = PRESETS.get(a.pop("preset") or "", {})
-    if a["config"]:
+    base = PRESETS.get(a.pop("preset") or "", ("", {}))[1]
+    if path := a.pop("config"):
         try:
-            with open(a["config"]) as fh:
+            with open(path) as fh:
                 base = json.load(fh)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"--config {a['config']}: cannot read it ({e}); pass a run's OUT/config.json")
+            raise ConfigError(f"--config {path}: cannot read it ({e}); pass a run's OUT/config.json")
         if unknown := sorted(set(base) - {f.name for f in dataclasses.fields(TrainConfig)}):
-            raise ConfigError(f"--config {a['config']}: unknown fields {', '.join(unknown)}; pass a run's OUT/config.json")
-    a.pop("config")
+            raise ConfigError(f"--config {path}: unknown fields {', '.join(unknown)}; pass a run's OUT/config.json")
     return TrainConfig(**{**base, **{k: v for k, v in a.items() if v is not None}})
 
 
@@ -200,8 +192,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warmup to cfg.lr, then cosine or linear decay to cfg.lr x min_lr_ratio at the last step."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps - 1)
-    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps - 1))
     low = cfg.lr * cfg.min_lr_ratio
     if cfg.decay == "cosine":
         return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * frac))
@@ -219,10 +210,8 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.devic
 
 
 def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """The full gradient norm over all shards (before clipping), and clip to max_norm if > 0.
-
-    FSDP2 gradients are DTensors; clip_grad_norm_ reduces over their mesh, and full_tensor() turns
-    the result into the global value (reading the local part would be too low by ~sqrt(shards))."""
+    """The global gradient norm (before clipping; clip to max_norm if > 0). Gradients are DTensors: the
+    norm's full_tensor() is the global one (its local part would be too low by ~sqrt(shards))."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
     if hasattr(norm, "full_tensor"):
@@ -235,8 +224,7 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 # ---------------------------------------------------------------------------------------------
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
 EXTRA_MODELS = {"demo": DEMO_MODEL}
-# Test hook: 1-based steps whose loss is made NaN, to test the non-finite step path without a model
-# that really diverges (which no tiny float32 run does on cue).
+# Test hook: 1-based steps whose loss is made NaN (no tiny float32 model diverges on cue).
 NONFINITE_TEST_STEPS = {int(x) for x in os.environ.get("TRAIN_TEST_NONFINITE_STEPS", "").split(",") if x}
 
 
@@ -253,12 +241,9 @@ def main(argv=None) -> None:
     # model load. Rank 0 then takes the lock on --out for the whole run.
     world = int(os.environ.get("WORLD_SIZE", 1))
     check_run(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), extra_models=EXTRA_MODELS)
-    try:
-        check_available(parse_report_to(cfg.report_to))
-    except ReportError as e:
-        raise ConfigError(str(e)) from None
-    if cfg.save_attention and cfg.attn_backend == "sdpa":
-        raise ConfigError("--save-attention needs a backend with a log-sum-exp; --attn-backend sdpa has none: "
+    check_available(parse_report_to(cfg.report_to))  # a ReportError is a refusal too (exit 2)
+    if cfg.save_attention and cfg.attn_backend == "sdpa":  # attention once needs the kernel's log-sum-exp
+        raise ConfigError("--save-attention: --attn-backend sdpa has no log-sum-exp; "
                           "use --attn-backend auto or --no-save-attention")
     lock = open_run_dir(cfg, probe=cfg.check_only) if int(os.environ.get("RANK", 0)) == 0 else None
     if cfg.check_only:
@@ -293,7 +278,6 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     # Again with the process group: a hub id is downloaded now (once per node), then checked.
     mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True, extra_models=EXTRA_MODELS)
     dtype = getattr(torch, cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32"))
-    rows_needed = cfg.steps * cfg.grad_accum * dp
     if rank == 0:  # every field, so that `--config OUT/config.json` (plus a new --out) is this run again
         with open(os.path.join(cfg.out, "config.json"), "w") as fh:
             json.dump(dataclasses.asdict(cfg), fh, indent=2)
@@ -301,18 +285,17 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
          f"| data {cfg.data} | {cfg.seq_len:,} tokens/row | {world} {device.type} processes: sp {sp} x dp {dp} "
          f"| {str(dtype)[6:]} | {cfg.steps} steps, lr {cfg.lr:g} {cfg.decay}")
     if cfg.data == "synthetic:repeat":  # the demo's data: say what it shows
-        log0(f"demo: rows of {cfg.seq_len} random tokens whose second half repeats the first; the loss counts "
-             f"{'the repeated half only' if cfg.loss_on == 'predictable' else 'every label'}.\n"
-             f"watch: it sits near ln {mc.vocab_size} = {math.log(mc.vocab_size):.2f} until attention finds the "
-             f"offset (with sp > 1 across the shards, through Ulysses), then falls towards 0.")
+        log0(f"demo: random rows of {cfg.seq_len} tokens whose second half repeats the first; the loss counts "
+             f"{'the repeated half only' if cfg.loss_on == 'predictable' else 'every label'}.\nwatch: it sits near "
+             f"ln {mc.vocab_size} = {math.log(mc.vocab_size):.2f} until attention finds the offset (across the sp "
+             f"shards, through Ulysses), then falls towards 0.")
     if cfg.seq_len > mc.max_position_embeddings:
         log0(f"warning: --seq-len {cfg.seq_len:,} exceeds the model's max_position_embeddings "
              f"({mc.max_position_embeddings:,}); long-context runs want --yarn-factor")
 
-    # ---- data first: a missing corpus should fail before minutes of weight loading. Text is
-    # tokenised once per node into the cache; whichever rank builds shows the bar.
+    # ---- data first: a missing corpus fails before minutes of weight loading (text: tokenised once per node)
     cache = cfg.cache_dir or os.environ.get("QWEN3_1M_CACHE") or os.path.expanduser("~/.cache/qwen3-1m")
-    rows = build_rows(cfg.data, model_dir, cfg.seq_len, rows_needed, cache_dir=cache, seed=cfg.seed,
+    rows = build_rows(cfg.data, model_dir, cfg.seq_len, cfg.steps * cfg.grad_accum * dp, cache_dir=cache, seed=cfg.seed,
                       vocab_size=mc.vocab_size, eos_token=cfg.eos_token or None, progress=True)
 
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
@@ -329,28 +312,24 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     except ValueError as e:
         raise ConfigError(str(e)) from None
     set_backend(backend)
-    # Attention once when asked, or (unset) when the planner finds host memory for it; sdpa cannot.
-    planned = plan_for_run(dataclasses.replace(cfg, save_attention=False) if backend == "sdpa" else cfg,
-                           mc, world, sp, dp, dtype, device.type)
-    save_attn = getattr(planned, "save_attention", None)  # a planner that cannot choose: on with offload
-    save_attn = (cfg.offload if cfg.save_attention is None else cfg.save_attention) if save_attn is None else save_attn
-    save_attn = save_attn and backend != "sdpa"
-    per_layer = saved_attention_bytes(T, mc.num_attention_heads, mc.head_dim, dtype.itemsize, sp=sp)
-    log0(f"attention: {BACKENDS[backend]} ({backend}); " + (
-        f"attention once per layer, {per_layer / 2**30:.3g} GiB per layer per GPU on the "
-        f"{'host' if cfg.offload else 'device'}" if save_attn else "attention recomputed in backward"))
+    # Attention once when asked, or (unset) when the planner finds host memory for it; sdpa has no lse.
+    cfg = dataclasses.replace(cfg, save_attention=False) if backend == "sdpa" else cfg
+    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    save_attn = getattr(planned, "save_attention", cfg.offload if cfg.save_attention is None else cfg.save_attention)
+    kept = saved_attention_bytes(T, mc.num_attention_heads, mc.head_dim, dtype.itemsize, sp=sp) / 2**20
+    log0(f"attention: {BACKENDS[backend]} ({backend}); " + (f"attention once per layer, {kept:,.1f} MiB per layer per GPU "
+         f"on the {'host' if cfg.offload else 'device'}" if save_attn else "attention recomputed in backward"))
     offload = apply_offload(model, offload=cfg.offload, min_bytes=cfg.offload_min_bytes, tile_mlp=cfg.tile_mlp or None,
                             save_attention=save_attn)
     if cfg.offload:  # every host block now, so that no step pins memory (seconds, and a sync)
         L = mc.num_hidden_layers - save_attn  # with attention once the last layer keeps its input here
-        parts = [(L, (1, T // sp, mc.hidden_size), dtype)] + ([(L, (1, T, nh, mc.head_dim), dtype),  # out
-                                                               (L, (1, nh, T), torch.float32)] if save_attn else [])  # lse
-        r = [offload.reserve(n, shape, dt, device, progress=rank == 0 and sys.stderr.isatty()) for n, shape, dt in parts]
+        parts = [((1, T // sp, mc.hidden_size), dtype)] + ([((1, T, nh, mc.head_dim), dtype),  # input; out, lse
+                                                            ((1, nh, T), torch.float32)] if save_attn else [])
+        r = [offload.reserve(L, shape, dt, device, progress=rank == 0 and sys.stderr.isatty()) for shape, dt in parts]
         log0(f"offload: pinned {sum(x['pinned_bytes'] for x in r) / 2**30:.2f} GiB in {sum(x['blocks'] for x in r)} "
              f"host blocks in {sum(x['seconds'] for x in r):.1f} s")
 
-    sp_rank, dp_rank = mesh["sp"].get_local_rank(), mesh["dp"].get_local_rank()
-    loader = RowLoader(rows, dp_rank, dp, sp_rank, sp, device=device)
+    loader = RowLoader(rows, mesh["dp"].get_local_rank(), dp, mesh["sp"].get_local_rank(), sp, device=device)
     optimizer = make_optimizer(cfg, model, device)
 
     # ---- resume: the newest checkpoint that is whole; metrics.jsonl cut back to its step
@@ -364,8 +343,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     if ckpt:
         start = load_checkpoint(ckpt, model, optimizer, loader, rank)
         log0(f"resumed from {ckpt} at step {start}")
-    metrics_path = cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl")
-    metrics = reporter = None
+    metrics_path, metrics, reporter = cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl"), None, None
     if rank == 0:
         if cfg.resume and trim_metrics(metrics_path, start):
             log0(f"resume: {metrics_path} cut back to step {start}")
@@ -379,21 +357,19 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         return path
 
     # ---- the steps
-    # MFU counts model FLOPs the usual way: no recomputation, backward = 2x forward (attention
-    # included; FlashAttention's own recompute is overhead, as is ours)
+    # MFU counts model FLOPs the usual way: no recomputation (ours is overhead), backward = 2x forward
     flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
     peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
-    bar = _bar(cfg.steps, start, rank)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
+               disable=rank != 0 or not sys.stderr.isatty())  # on a terminal, a bar above the step lines
     first = last = peak_gb = None  # (step, loss) of the first and last finite steps of this launch
-    saved_at, bad_run, bad_total, step = start, 0, 0, start - 1
+    saved_at, bad_run, bad_total, step, t_run = start, 0, 0, start - 1, time.perf_counter()
     measure = cfg.measure_memory or device.type == "cuda"
-    t_run = time.perf_counter()
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
     for step in range(start, end):
-        if step == start and cfg.memory_snapshot and device.type == "cuda":
+        snapshot = step == start and cfg.memory_snapshot and device.type == "cuda"  # the allocator's history
+        if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
         meter = StepMeter(device, model=model, optimizer=optimizer, host=offload).start() if measure else None
         t0 = time.perf_counter()
         lr = lr_at(cfg, step)
@@ -401,12 +377,10 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             g["lr"] = lr
         micro = [next(loader) for _ in range(cfg.grad_accum)]
         for b in micro:  # --loss-on predictable: only the labels a synthetic source marks count
-            pred = b.pop("predictable", None)
-            if cfg.loss_on == "predictable":
+            if (pred := b.pop("predictable", None)) is not None and cfg.loss_on == "predictable":
                 b["labels"] = torch.where(pred, b["labels"], IGNORE)
 
-        # The loss is sum over every valid label of the step / their global count: each rank
-        # contributes its local sum, so FSDP2 must SUM gradients over ranks (set in parallel.py).
+        # loss = sum over the step's valid labels / their global count: FSDP2 SUMs gradients (parallel.py)
         count = torch.stack([(b["labels"] != IGNORE).sum() for b in micro]).sum().to(torch.float64)
         dist.all_reduce(count)
         count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
@@ -417,9 +391,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
                                              chunk_size=cfg.loss_chunk, reduction="sum")
             if step + 1 in NONFINITE_TEST_STEPS:
                 loss_sum = loss_sum * math.nan
-            # The loss made its gradients in forward: backward needs no hidden states (1 GiB per GPU
-            # at 1M tokens, otherwise held through every layer's backward).
-            del hidden
+            del hidden  # the loss made its gradients in forward: 1 GiB per GPU at 1M tokens, not held
             (loss_sum / count.to(loss_sum.dtype)).backward()
             sums[0] += loss_sum.detach().double()
         sums[1] = len(STOP)
@@ -448,8 +420,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
                "peak_mem_gb": peak_gb, "planned_peak_gb": planned.total / 1e9, "mfu": flops / dt / (world * peak * 1e12) if peak else None,
                "skipped": bad, "nonfinite_steps": bad_total}
         if rank == 0:
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
+            print(json.dumps(rec), file=metrics, flush=True)
             reporter.log(rec, step + 1)
             line = (f"step {step + 1:>4}/{cfg.steps} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
                     f"{tokens:,} tokens | {dt:.2f} s | {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
@@ -459,7 +430,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
                     + (f" | NON-FINITE, skipped ({bad_run} in a row)" if bad else ""))
             bar.write(line)
             bar.update(1)
-        if step == start and cfg.memory_snapshot and device.type == "cuda":
+        if snapshot:
             torch.cuda.memory._dump_snapshot(f"{cfg.memory_snapshot}.rank{rank}.pickle")
             torch.cuda.memory._record_memory_history(enabled=None)
         if bad_run >= cfg.max_bad_steps:  # the weights are still the last good step's: keep them
@@ -478,10 +449,9 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         metrics.close()
         reporter.close()
     done = step + 1
-    log0(f"{done - start} steps in {time.perf_counter() - t_run:.1f} s")
-    log0(f"memory per GPU: peak " + (f"{peak_gb:.4g} GB measured" if peak_gb is not None else
-                                     "not measured" + ("" if measure else " (--measure-memory)"))
-         + f", {planned.total / 1e9:.4g} GB planned (memory/plan.py)")
+    log0(f"{done - start} steps in {time.perf_counter() - t_run:.1f} s; memory per GPU: peak "
+         + (f"{peak_gb:.4g} GB measured" if peak_gb is not None else "not measured" + ("" if measure else
+            " (--measure-memory)")) + f", {planned.total / 1e9:.4g} GB planned (memory/plan.py)")
 
     # ---- save: a resumable checkpoint and the model in the Hugging Face layout
     if done < cfg.steps:
@@ -505,16 +475,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
          + (f"; load the model with AutoModelForCausalLM.from_pretrained(\"{final}\")" if cfg.save_final else ""))
 
 
-def _bar(total: int, start: int, rank: int):
-    from tqdm import tqdm
-    # On a terminal, a bar above the step lines; in a log file, just the lines.
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
-                disable=rank != 0 or not sys.stderr.isatty())
-
-
 def fail(e: BaseException, code: int) -> None:
-    """One line per failure, rank 0's first: the other ranks usually fail because of it (or the same
-    way), so they wait a moment, and torchrun has often stopped them by then."""
+    """One line per failure, rank 0's first: the other ranks (usually failing because of it) wait a moment."""
     rank = int(os.environ.get("RANK", 0))
     if rank:
         time.sleep(3)
@@ -530,7 +492,7 @@ def fail(e: BaseException, code: int) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:  # a refusal before anything ran
+    except (ConfigError, ReportError) as e:  # a refusal before anything ran
         fail(e, 2)
     except (RunStopped, DiskSpaceError) as e:  # stopped on purpose, with the last good state saved
         fail(e, 3)
