@@ -142,7 +142,7 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--config", default=None, help="start from a run's OUT/config.json: the same run (flags still override)")
     for f in dataclasses.fields(TrainConfig):
         flag, meta = "--" + f.name.replace("_", "-"), f.metadata
-        more = f"default: {'unset' if f.default is None else f.default!r}" + (
+        more = f"default: {'unset' if f.default is None else repr(f.default)}" + (
             f"; one of {', '.join(meta['choices'])}" if meta.get("choices") else "")
         kind = dict(action=argparse.BooleanOptionalAction) if f.type.startswith("bool") else dict(
             type={"int": int, "float": float}.get(f.type, str), metavar=f.name.upper(), choices=meta.get("choices"))
