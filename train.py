@@ -125,8 +125,8 @@ PRESETS = {  # name: (its line in -h, its fields)
                   decay="constant", dtype="float32", offload=True, offload_min_bytes=0, tile_mlp=128,
                   loss_chunk=64, loss_on="predictable", out="runs/demo", save_every=200)),
 }
-DEMO_MODEL = dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=64, hidden_size=128, intermediate_size=256,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)  # for CPUs
+EXTRA_MODELS = {"demo": dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=64, hidden_size=128, intermediate_size=256,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}  # CPUs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -223,7 +223,6 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 # Main: checks, then the process group, then the run
 # ---------------------------------------------------------------------------------------------
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
-EXTRA_MODELS = {"demo": DEMO_MODEL}
 # Test hook: 1-based steps whose loss is made NaN (no tiny float32 model diverges on cue).
 NONFINITE_TEST_STEPS = {int(x) for x in os.environ.get("TRAIN_TEST_NONFINITE_STEPS", "").split(",") if x}
 
@@ -318,7 +317,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     save_attn = getattr(planned, "save_attention", cfg.offload if cfg.save_attention is None else cfg.save_attention)
     kept = saved_attention_bytes(T, mc.num_attention_heads, mc.head_dim, dtype.itemsize, sp=sp) / 2**20
     log0(f"attention: {BACKENDS[backend]} ({backend}); " + (f"attention once per layer, {kept:,.1f} MiB per layer per GPU "
-         f"on the {'host' if cfg.offload else 'device'}" if save_attn else "attention recomputed in backward"))
+         f"on the {'host' if cfg.offload else 'device'}" if save_attn else "attention recomputed in backward")
+         + (f" ({why})" if (why := getattr(planned, "save_attention_why", "")) else ""))  # the planner's reason
     offload = apply_offload(model, offload=cfg.offload, min_bytes=cfg.offload_min_bytes, tile_mlp=cfg.tile_mlp or None,
                             save_attention=save_attn)
     if cfg.offload:  # every host block now, so that no step pins memory (seconds, and a sync)
