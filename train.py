@@ -7,10 +7,9 @@
     python train.py --preset demo --check-only                 # every check (flags, model, data, --out), then exit
 
 Sections: config | distributed init | optimizer | main: checks | model | data | resume | steps | save.
-Every check runs before the process group and before any weight is read (run/checks.py); the run
-holds a lock on --out (run/rundir.py); checkpoints are checked, rotated and resumed by run/checkpoint.py.
-Each sp group of GPUs shares one row (Ulysses: every GPU holds T/sp tokens), dp groups take
-different rows, and FSDP2 shards the parameters over all of them.
+Every check runs before the process group and any weight is read (run/checks.py); the run holds a
+lock on --out (run/rundir.py); checkpoints are checked, rotated and resumed by run/checkpoint.py.
+Each sp group shares one row (Ulysses: T/sp tokens per GPU); dp groups take different rows.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 # Stop signals (what schedulers send before they preempt) are only noted: the step loop finishes the
@@ -35,17 +34,21 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402 (after the signal handlers on purpose)
 import torch.distributed as dist
+from tqdm import tqdm
 
 from memory.meter import StepMeter
 from memory.plan import format_plan, plan_for_run, step_flops
 from data import RowLoader, build_rows
 from loss.chunked_ce import chunked_cross_entropy
+from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_backend
 from model.config import PRESETS as MODEL_PRESETS, ConfigError
 from model.offload import apply_offload
 from model.parallel import build_mesh, build_sharded_model
 from model.ulysses import UlyssesAttention
 from run.checkpoint import DiskSpaceError, find_checkpoint, load_checkpoint, save_checkpoint, trim_metrics
-from run.checks import check_flags, check_layout, check_run, open_run_dir, resolve_model
+from run.checks import CHOICES, check_flags, check_layout, check_run, open_run_dir, resolve_model
+from run.quiet import quiet_known_warnings
+from run.report import Reporter, ReportError, check_available, parse_report_to
 
 IGNORE = -100
 
@@ -53,71 +56,78 @@ IGNORE = -100
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
+def arg(default, help: str, choices: tuple | None = None):
+    """A TrainConfig field with its one line of `train.py -h` (and its choices, when it has some)."""
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
 @dataclass
 class TrainConfig:
-    model: str = "tiny"  # a model directory, a preset name (random init), or a hub id such as Qwen/Qwen3-8B
-    data: str = "synthetic:copy"  # pg19 | a local path | tokens:FILE.npy | synthetic:copy
-    seq_len: int = 1024  # tokens per row (each row holds seq_len + 1 ids: inputs and shifted labels)
-    steps: int = 10  # optimizer steps
-    sp: int = 0  # sequence-parallel degree; 0 = every process of the node
-    grad_accum: int = 1  # rows per optimizer step and dp rank
-    lr: float = 1e-5
-    min_lr_ratio: float = 0.1  # the schedule decays to lr x this
-    warmup_steps: int = 0
-    decay: str = "cosine"  # cosine | linear | constant
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # by the global norm; 0 disables
-    dtype: str = "auto"  # compute dtype: bfloat16 on CUDA, float32 on CPU
-    seed: int = 0
-    yarn_factor: float = 0.0  # 0: RoPE as the model's config.json says
-    yarn_original: int = 32768  # original_max_position_embeddings for --yarn-factor
-    offload: bool = True  # layer inputs to host memory (checkpoint-with-offload)
-    offload_min_bytes: int = 1 << 20  # smaller layer inputs stay where they are
-    cpu_offload: bool = False  # fp32 shards, gradients, AdamW states in host memory; AdamW on the CPU (recipe: 34.5 -> 19.6 GB/GPU, projected)
-    tile_mlp: int = 0  # tokens per MLP tile in forward and recompute; 0 = untiled
-    loss_chunk: int = 256  # rows per chunk of the cross-entropy
-    loss_on: str = "all"  # all | predictable (only labels a synthetic source marks as predictable)
-    out: str = "runs/latest"
-    metrics_file: str = ""  # default: OUT/metrics.jsonl
-    save_every: int = 0  # resumable checkpoint every N steps; 0 = only at the end
-    keep_checkpoints: int = 2  # the newest N checkpoints stay; older ones go once a newer one is complete; 0 = all
-    save_final: bool = True  # the model in the Hugging Face layout at OUT/final
-    save_dtype: str = "bfloat16"  # dtype of the final safetensors
-    stop_after: int = 0  # leave after this many steps of this launch (a time-limited job); resume later
-    resume: str = ""  # "auto" (newest loadable in OUT/checkpoints, or a fresh start) or a checkpoint directory
-    overwrite: bool = False  # a fresh run into an --out with an earlier run: move that one to OUT.old-<time>
-    max_bad_steps: int = 3  # stop (with a checkpoint) after this many non-finite steps in a row
-    cache_dir: str = "cache"  # tokenised data
-    eos_token: str = ""  # separator between books; default: the tokenizer's eos token
-    gpu_mem_gb: float = 80.0  # for the dry run's plan
-    host_mem_gb: float = 2000.0  # host memory per node, for the plan's longest row
-    measure_memory: bool = False  # CPU: count live tensor bytes per step (CUDA always measures)
-    memory_snapshot: str = ""  # CUDA: write a memory-visualiser snapshot of step 1 here
-    dry_run: bool = False
-    check_only: bool = False  # run every check (flags, model, data, --out) in this process and exit
+    model: str = arg("tiny", "a model directory, a preset name (random init), or a hub id such as Qwen/Qwen3-8B")
+    data: str = arg("synthetic:copy", "pg19 | .txt/.jsonl/.parquet file or dir | tokens:FILE.npy | synthetic:copy|repeat")
+    seq_len: int = arg(1024, "tokens per row (each row holds seq_len + 1 ids: inputs and shifted labels)")
+    steps: int = arg(10, "optimizer steps")
+    sp: int = arg(0, "sequence-parallel degree; 0 = every process of the node")
+    grad_accum: int = arg(1, "rows per optimizer step and dp rank")
+    lr: float = arg(1e-5, "peak learning rate")
+    min_lr_ratio: float = arg(0.1, "the schedule decays to lr x this")
+    warmup_steps: int = arg(0, "steps of linear warmup from lr/warmup to lr")
+    decay: str = arg("cosine", "learning-rate decay after warmup", CHOICES["decay"])
+    weight_decay: float = arg(0.0, "AdamW weight decay (matrices and embeddings only)")
+    beta1: float = arg(0.9, "AdamW beta1")
+    beta2: float = arg(0.95, "AdamW beta2")
+    adam_eps: float = arg(1e-8, "AdamW epsilon")
+    grad_clip: float = arg(1.0, "clip by the global gradient norm; 0 disables")
+    dtype: str = arg("auto", "compute dtype; auto: bfloat16 on CUDA, float32 on CPU", CHOICES["dtype"])
+    seed: int = arg(0, "seed of the init and the synthetic data")
+    yarn_factor: float = arg(0.0, "YaRN RoPE scaling factor; 0: RoPE as the model's config.json says")
+    yarn_original: int = arg(32768, "original_max_position_embeddings for --yarn-factor")
+    offload: bool = arg(True, "keep each layer's input in host memory (checkpoint-with-offload)")
+    offload_min_bytes: int = arg(1 << 20, "smaller layer inputs stay on the device")
+    save_attention: bool | None = arg(None, "keep attention's output and lse per layer (no attention recompute); "
+                                            "unset: on when the planner says host memory allows")
+    attn_backend: str = arg("auto", "attention kernel; auto: cudnn else flash on CUDA, cpu_flash on CPU",
+                            ("auto", *BACKENDS))
+    tile_mlp: int = arg(0, "tokens per MLP tile in forward and recompute; 0 = untiled")
+    loss_chunk: int = arg(256, "rows per chunk of the cross-entropy")
+    loss_on: str = arg("all", "labels the loss counts; predictable: only those a synthetic source marks", CHOICES["loss_on"])
+    out: str = arg("runs/latest", "the run directory: config.json, metrics.jsonl, checkpoints/, final/")
+    metrics_file: str = arg("", "one JSON record per step; empty: OUT/metrics.jsonl")
+    report_to: str = arg("none", "also send each step's record to tensorboard, wandb or both (comma-separated)")
+    save_every: int = arg(0, "resumable checkpoint every N steps; 0 = only at the end")
+    keep_checkpoints: int = arg(2, "keep the newest N checkpoints (older ones go once a newer one is complete); 0 = all")
+    save_final: bool = arg(True, "write the model in the Hugging Face layout to OUT/final")
+    save_dtype: str = arg("bfloat16", "dtype of the final safetensors", CHOICES["save_dtype"])
+    stop_after: int = arg(0, "leave after this many steps of this launch (a time-limited job); 0 = run to --steps")
+    resume: str = arg("", "auto (newest loadable checkpoint in OUT, or a fresh start) or a checkpoint directory")
+    overwrite: bool = arg(False, "a fresh run into an --out with an earlier run moves that one to OUT.old-<time>")
+    max_bad_steps: int = arg(3, "stop (with a checkpoint) after this many non-finite steps in a row")
+    cache_dir: str = arg("", "token cache; empty: $QWEN3_1M_CACHE, else ~/.cache/qwen3-1m")
+    eos_token: str = arg("", "separator between documents; empty: the tokenizer's eos token")
+    gpu_mem_gb: float = arg(80.0, "GPU memory per GPU, for the memory plan")
+    host_mem_gb: float = arg(2000.0, "host memory per node, for the plan and the attention-once choice")
+    cpu_offload: bool = arg(False, "fp32 shards, grads, AdamW states in host memory; AdamW on the CPU (-15 GB/GPU)")
+    measure_memory: bool = arg(False, "CPU: count live tensor bytes per step (CUDA always measures)")
+    memory_snapshot: str = arg("", "CUDA: write a memory-visualiser snapshot of step 1 to PATH.rank<N>.pickle")
+    dry_run: bool = arg(False, "print the resolved config and memory plan; load nothing")
+    check_only: bool = arg(False, "run every check (flags, model, data, --out) in this process and exit")
 
 
-PRESETS = {
-    # The public recipe's shape: Qwen3-8B, PG-19 rows of 1,048,576 tokens, YaRN x32 over 32,768.
-    "qwen3-8b-1m": dict(model="Qwen/Qwen3-8B", data="pg19", seq_len=1_048_576, steps=20, sp=0, lr=1e-5,
-                        warmup_steps=2, dtype="bfloat16", yarn_factor=32.0, yarn_original=32768,
-                        offload=True, tile_mlp=16384, loss_chunk=256, out="runs/qwen3-8b-1m",
-                        eos_token="<|endoftext|>"),  # the base model's document separator, not chat's <|im_end|>
-    # CPU: a small Qwen3 from scratch on rows whose second half repeats the first; with sp=2 every
-    # predictable label's answer lives on the other rank, so the loss falls only through Ulysses.
-    # The model sits on a plateau at ln(64) until it finds the offset, then drops to ~0 within
-    # 100 steps. When it leaves depends on the init: seed 1 at step ~150 (2 processes); some seeds
-    # take 400+ steps, and a decaying rate can keep it there, hence the constant 5e-3.
-    "demo": dict(model="demo", data="synthetic:repeat", seq_len=512, steps=400, sp=0, lr=5e-3, warmup_steps=0, seed=1,
-                 decay="constant", dtype="float32", offload=True, offload_min_bytes=0, tile_mlp=128,
-                 loss_chunk=64, loss_on="predictable", out="runs/demo", save_every=200),
+PRESETS = {  # name: (its line in -h, its fields)
+    "qwen3-8b-1m": ("the public recipe's shape: Qwen3-8B on PG-19 rows of 1,048,576 tokens, YaRN x32, all GPUs",
+                    dict(model="Qwen/Qwen3-8B", data="pg19", seq_len=1_048_576, steps=20, sp=0, lr=1e-5, warmup_steps=2,
+                         dtype="bfloat16", yarn_factor=32.0, yarn_original=32768, offload=True, tile_mlp=16384,
+                         loss_chunk=256, out="runs/qwen3-8b-1m",
+                         eos_token="<|endoftext|>")),  # the base model's document separator, not chat's <|im_end|>
+    # sp=2: every predictable label's answer is on the other rank. The plateau at ln 64 ends at step ~150
+    # for seed 1 (2 processes); some seeds take 400+ steps, a decaying rate can keep it: constant 5e-3.
+    "demo": ("CPU: a 2-layer Qwen3 from scratch learns to copy across sp shards (400 steps)",
+             dict(model="demo", data="synthetic:repeat", seq_len=512, steps=400, sp=0, lr=5e-3, warmup_steps=0, seed=1,
+                  decay="constant", dtype="float32", offload=True, offload_min_bytes=0, tile_mlp=128,
+                  loss_chunk=64, loss_on="predictable", out="runs/demo", save_every=200)),
 }
-# "demo" is a 2-layer Qwen3 for CPUs.
-DEMO_MODEL = dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=64, hidden_size=128, intermediate_size=256,
-                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+EXTRA_MODELS = {"demo": dataclasses.replace(MODEL_PRESETS["tiny"], vocab_size=64, hidden_size=128, intermediate_size=256,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)}  # CPUs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,16 +136,28 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None) -> TrainConfig:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    """Fields from the dataclass defaults, then --preset or --config (a run's OUT/config.json), then flags."""
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="presets:\n" + "\n".join(f"  {k:<12} {v[0]}" for k, v in PRESETS.items()))
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="start from a preset (listed below)")
+    p.add_argument("--config", default=None, help="start from a run's OUT/config.json: the same run (flags still override)")
     for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
-        else:
-            p.add_argument(flag, type={"int": int, "float": float}.get(f.type, str), default=None)
+        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
+        more = f"default: {'unset' if f.default is None else repr(f.default)}" + (
+            f"; one of {', '.join(meta['choices'])}" if meta.get("choices") else "")
+        kind = dict(action=argparse.BooleanOptionalAction) if f.type.startswith("bool") else dict(
+            type={"int": int, "float": float}.get(f.type, str), metavar=f.name.upper(), choices=meta.get("choices"))
+        p.add_argument(flag, default=None, help=f"{meta.get('help', '')} ({more})" if meta.get("help") else None, **kind)
     a = vars(p.parse_args(argv))
-    base = PRESETS.get(a.pop("preset") or "", {})
+    base = PRESETS.get(a.pop("preset") or "", ("", {}))[1]
+    if path := a.pop("config"):
+        try:
+            with open(path) as fh:
+                base = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--config {path}: cannot read it ({e}); pass a run's OUT/config.json")
+        if unknown := sorted(set(base) - {f.name for f in dataclasses.fields(TrainConfig)}):
+            raise ConfigError(f"--config {path}: unknown fields {', '.join(unknown)}; pass a run's OUT/config.json")
     return TrainConfig(**{**base, **{k: v for k, v in a.items() if v is not None}})
 
 
@@ -143,29 +165,22 @@ def parse_args(argv=None) -> TrainConfig:
 # Distributed init: torchrun's environment, or one plain process
 # ---------------------------------------------------------------------------------------------
 def init_distributed(cpu_offload: bool = False) -> tuple[int, int, int, torch.device]:
-    if "RANK" not in os.environ:  # a plain `python train.py`: a group of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+    # A plain `python train.py` is a group of one on an in-memory store: no port to pick (and race for).
+    single = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+    if single:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
         # An hour, not NCCL's 10 minutes: local rank 0 may be downloading 16 GB while the others wait.
-        # --cpu-offload: the gradients are DTensors in host memory, and the global norm's all-reduce
-        # over them needs a CPU backend next to NCCL (untested here: no GPU in CI).
-        backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
-        dist.init_process_group(backend, device_id=device, timeout=timedelta(minutes=60))
+        # --cpu-offload: the grad norm all-reduces host DTensors, so gloo serves CPU tensors (untested on GPU).
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device,
+                                timeout=timedelta(minutes=60), **single)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(minutes=60))
+        dist.init_process_group("gloo", timeout=timedelta(minutes=60), **single)
     return rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def log0(*args):
@@ -180,8 +195,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     """Linear warmup to cfg.lr, then cosine or linear decay to cfg.lr x min_lr_ratio at the last step."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps - 1)
-    frac = min(1.0, (step - cfg.warmup_steps) / span)
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps - 1))
     low = cfg.lr * cfg.min_lr_ratio
     if cfg.decay == "cosine":
         return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * frac))
@@ -191,19 +205,16 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    # --cpu-offload: the shards AdamW updates are in host memory, so it steps on the CPU (foreach)
     decay = [p for p in model.parameters() if p.ndim >= 2]  # matrices and embeddings; norms are not decayed
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = {"fused": True} if device.type == "cuda" and not cfg.cpu_offload else {"foreach": True}
+    fused = {"fused": True} if device.type == "cuda" and not cfg.cpu_offload else {"foreach": True}  # CPU shards
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **fused)
 
 
 def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """The full gradient norm over all shards (before clipping), and clip to max_norm if > 0.
-
-    FSDP2 gradients are DTensors; clip_grad_norm_ reduces over their mesh, and full_tensor() turns
-    the result into the global value (reading the local part would be too low by ~sqrt(shards))."""
+    """The global gradient norm (before clipping; clip to max_norm if > 0). Gradients are DTensors: the
+    norm's full_tensor() is the global one (its local part would be too low by ~sqrt(shards))."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
     if hasattr(norm, "full_tensor"):
@@ -215,9 +226,7 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 # Main: checks, then the process group, then the run
 # ---------------------------------------------------------------------------------------------
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
-EXTRA_MODELS = {"demo": DEMO_MODEL}
-# Test hook: 1-based steps whose loss is made NaN, to test the non-finite step path without a model
-# that really diverges (which no tiny float32 run does on cue).
+# Test hook: 1-based steps whose loss is made NaN (no tiny float32 model diverges on cue).
 NONFINITE_TEST_STEPS = {int(x) for x in os.environ.get("TRAIN_TEST_NONFINITE_STEPS", "").split(",") if x}
 
 
@@ -226,13 +235,14 @@ class RunStopped(RuntimeError):
 
 
 def main(argv=None) -> None:
+    quiet_known_warnings()
     cfg = parse_args(argv)
     if cfg.dry_run:  # no process group, no downloads, no weights
         return dry_run(cfg)
-    # Every process checks everything before the process group: a bad flag costs a second, not a
-    # model load. Rank 0 then takes the lock on --out for the whole run.
+    # Every process checks everything before the process group (a bad flag costs a second); rank 0 locks --out.
     world = int(os.environ.get("WORLD_SIZE", 1))
     check_run(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), extra_models=EXTRA_MODELS)
+    check_available(parse_report_to(cfg.report_to))  # a ReportError is a refusal too (exit 2)
     lock = open_run_dir(cfg, probe=cfg.check_only) if int(os.environ.get("RANK", 0)) == 0 else None
     if cfg.check_only:
         return
@@ -266,16 +276,24 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     # Again with the process group: a hub id is downloaded now (once per node), then checked.
     mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True, extra_models=EXTRA_MODELS)
     dtype = getattr(torch, cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32"))
-    rows_needed = cfg.steps * cfg.grad_accum * dp
-    log0(json.dumps({"train": dataclasses.asdict(cfg), "model_dir": model_dir, "world": world, "sp": sp, "dp": dp,
-                     "tokens_per_rank": -(-cfg.seq_len // sp), "dtype": str(dtype)}, indent=2, default=str))
+    if rank == 0:  # every field, so that `--config OUT/config.json` (plus a new --out) is this run again
+        with open(os.path.join(cfg.out, "config.json"), "w") as fh:
+            json.dump(dataclasses.asdict(cfg), fh, indent=2)
+    log0(f"config: {cfg.out}/config.json | model {cfg.model} ({mc.num_hidden_layers} layers, hidden {mc.hidden_size}) "
+         f"| data {cfg.data} | {cfg.seq_len:,} tokens/row | {world} {device.type} processes: sp {sp} x dp {dp} "
+         f"| {str(dtype)[6:]} | {cfg.steps} steps, lr {cfg.lr:g} {cfg.decay}")
+    if cfg.data == "synthetic:repeat":  # the demo's data: say what it shows
+        log0(f"demo: random rows of {cfg.seq_len} tokens whose second half repeats the first; the loss counts "
+             f"{'the repeated half only' if cfg.loss_on == 'predictable' else 'every label'}.\nwatch: it sits near "
+             f"ln {mc.vocab_size} = {math.log(mc.vocab_size):.2f} until attention finds the offset (across the sp "
+             f"shards, through Ulysses), then falls towards 0.")
     if cfg.seq_len > mc.max_position_embeddings:
-        log0(f"warning: --seq-len {cfg.seq_len:,} exceeds the model's max_position_embeddings "
-             f"({mc.max_position_embeddings:,}); long-context runs want --yarn-factor")
+        log0(f"warning: --seq-len {cfg.seq_len:,} exceeds max_position_embeddings ({mc.max_position_embeddings:,}); "
+             f"long-context runs want --yarn-factor")
 
-    # ---- data first: a missing corpus should fail before minutes of weight loading. Text is
-    # tokenised once per node into the cache; whichever rank builds shows the bar.
-    rows = build_rows(cfg.data, model_dir, cfg.seq_len, rows_needed, cache_dir=cfg.cache_dir, seed=cfg.seed,
+    # ---- data first: a missing corpus fails before minutes of weight loading (text: tokenised once per node)
+    cache = cfg.cache_dir or os.environ.get("QWEN3_1M_CACHE") or os.path.expanduser("~/.cache/qwen3-1m")
+    rows = build_rows(cfg.data, model_dir, cfg.seq_len, cfg.steps * cfg.grad_accum * dp, cache_dir=cache, seed=cfg.seed,
                       vocab_size=mc.vocab_size, eos_token=cfg.eos_token or None, progress=True)
 
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
@@ -286,10 +304,31 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     log0(f"model ready in {time.perf_counter() - t0:.1f} s"
          + (f", read {load_stats.bytes_read / 2**30:.2f} GiB on rank 0" if load_stats else ", random init"))
     model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
-    offload = apply_offload(model, offload=cfg.offload, min_bytes=cfg.offload_min_bytes, tile_mlp=cfg.tile_mlp or None)
+    nh, T = mc.num_attention_heads // sp, -(-cfg.seq_len // sp) * sp  # heads per GPU, padded row length
+    try:
+        backend = pick_backend(device, dtype, num_heads=nh, num_kv_heads=max(mc.num_key_value_heads // sp, 1),
+                               head_dim=mc.head_dim, seq_len=cfg.seq_len, request=cfg.attn_backend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    set_backend(backend)
+    cfg = dataclasses.replace(cfg, save_attention=False) if backend == "sdpa" else cfg  # sdpa: no lse to keep
+    # Attention once when asked, or (unset) when the planner finds host memory for it (choose_save_attention).
+    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    save_attn, kept = planned.save_attention, saved_attention_bytes(T, nh * sp, mc.head_dim, dtype.itemsize, sp=sp)
+    log0(f"attention: {BACKENDS[backend]} ({backend}); " + (f"attention once per layer, {kept / 2**20:,.1f} MiB per "
+         f"layer per GPU on the {'host' if cfg.offload else 'device'}" if save_attn else "attention recomputed in "
+         "backward") + (f" ({planned.save_attention_why})" if planned.save_attention_why else ""))
+    offload = apply_offload(model, offload=cfg.offload, min_bytes=cfg.offload_min_bytes, tile_mlp=cfg.tile_mlp or None,
+                            save_attention=save_attn)
+    if cfg.offload:  # every host block now, so that no step pins memory (seconds, and a sync)
+        L = mc.num_hidden_layers - save_attn  # with attention once the last layer keeps its input here
+        parts = [((1, T // sp, mc.hidden_size), dtype)] + ([((1, T, nh, mc.head_dim), dtype),  # input; out, lse
+                                                            ((1, nh, T), torch.float32)] if save_attn else [])
+        r = [offload.reserve(L, shape, dt, device, progress=rank == 0 and sys.stderr.isatty()) for shape, dt in parts]
+        log0(f"offload: pinned {sum(x['pinned_bytes'] for x in r) / 2**30:.2f} GiB in {sum(x['blocks'] for x in r)} "
+             f"host blocks in {sum(x['seconds'] for x in r):.1f} s")
 
-    sp_rank, dp_rank = mesh["sp"].get_local_rank(), mesh["dp"].get_local_rank()
-    loader = RowLoader(rows, dp_rank, dp, sp_rank, sp, device=device)
+    loader = RowLoader(rows, mesh["dp"].get_local_rank(), dp, mesh["sp"].get_local_rank(), sp, device=device)
     optimizer = make_optimizer(cfg, model, device)
 
     # ---- resume: the newest checkpoint that is whole; metrics.jsonl cut back to its step
@@ -303,29 +342,33 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     if ckpt:
         start = load_checkpoint(ckpt, model, optimizer, loader, rank)
         log0(f"resumed from {ckpt} at step {start}")
-    metrics_path = cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl")
-    metrics = None
+    metrics_path, metrics, reporter = cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl"), None, None
     if rank == 0:
         if cfg.resume and trim_metrics(metrics_path, start):
             log0(f"resume: {metrics_path} cut back to step {start}")
         metrics = open(metrics_path, "a" if cfg.resume else "w")
+        reporter = Reporter(parse_report_to(cfg.report_to), cfg.out, os.path.basename(os.path.abspath(cfg.out)),
+                            dataclasses.asdict(cfg), first_step=start + 1)
+
+    def checkpoint(n: int) -> str:
+        path = save_checkpoint(cfg.out, n, model, optimizer, loader, rank, keep=cfg.keep_checkpoints)
+        log0(f"checkpoint: {path} (step {n})")
+        return path
 
     # ---- the steps
-    # MFU counts model FLOPs the usual way: no recomputation, backward = 2x forward (attention
-    # included; FlashAttention's own recompute is overhead, as is ours)
+    # MFU counts model FLOPs the usual way: no recomputation (ours is overhead), backward = 2x forward
     flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
     peak = next((v for k, v in PEAK_TFLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name()), None)
-    bar = _bar(cfg.steps, start, rank)
-    first_pred, saved_at, bad_run, bad_total, step = None, start, 0, 0, start - 1
-    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    bar = tqdm(total=cfg.steps, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
+               disable=rank != 0 or not sys.stderr.isatty())  # on a terminal, a bar above the step lines
+    first = last = peak_gb = None  # (step, loss) of the first and last finite steps of this launch
+    saved_at, bad_run, bad_total, step, t_run = start, 0, 0, start - 1, time.perf_counter()
     measure = cfg.measure_memory or device.type == "cuda"
-    t_run = time.perf_counter()
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
     for step in range(start, end):
-        if step == start and cfg.memory_snapshot and device.type == "cuda":
+        snapshot = step == start and cfg.memory_snapshot and device.type == "cuda"  # the allocator's history
+        if snapshot:
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
         meter = StepMeter(device, model=model, optimizer=optimizer, host=offload,
                           host_state=cfg.cpu_offload).start() if measure else None
         t0 = time.perf_counter()
@@ -333,40 +376,25 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         for g in optimizer.param_groups:
             g["lr"] = lr
         micro = [next(loader) for _ in range(cfg.grad_accum)]
-        if cfg.loss_on == "predictable":  # noise labels only dilute a small model's signal
-            for b in micro:
-                b["labels"] = torch.where(b.pop("predictable"), b["labels"], IGNORE)
+        for b in micro:  # --loss-on predictable: only the labels a synthetic source marks count
+            if (pred := b.pop("predictable", None)) is not None and cfg.loss_on == "predictable":
+                b["labels"] = torch.where(pred, b["labels"], IGNORE)
 
-        # The loss is sum over every valid label of the step / their global count: each rank
-        # contributes its local sum, so FSDP2 must SUM gradients over ranks (set in parallel.py).
+        # loss = sum over the step's valid labels / their global count: FSDP2 SUMs gradients (parallel.py)
         count = torch.stack([(b["labels"] != IGNORE).sum() for b in micro]).sum().to(torch.float64)
         dist.all_reduce(count)
         count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
-        # loss sum, predictable sum, predictable count, stop signals: one all-reduce for all four
-        sums = torch.zeros(4, dtype=torch.float64, device=device)
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, stop signals: one all-reduce
         for b in micro:
             hidden = model(b["input_ids"], b["position_ids"])  # [1, T/sp, hidden]
-            labels = b["labels"].flatten()
-            pred = b.get("predictable")
-            if pred is None:
-                parts = [labels]
-            else:  # synthetic data: two sums over disjoint labels, the same FLOPs as one (ignored rows
-                # are skipped), but two weight-gradient accumulators live until backward
-                pred = pred.flatten()
-                parts = [torch.where(pred, labels, IGNORE), torch.where(pred, IGNORE, labels)]
-                sums[2] += (parts[0] != IGNORE).sum()
-            losses = [chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, lab,
-                                            chunk_size=cfg.loss_chunk, reduction="sum") for lab in parts]
+            loss_sum = chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, b["labels"].flatten(),
+                                             chunk_size=cfg.loss_chunk, reduction="sum")
             if step + 1 in NONFINITE_TEST_STEPS:
-                losses = [x * math.nan for x in losses]
-            # The loss made its gradients in forward: backward needs no hidden states (1 GiB per GPU
-            # at 1M tokens, otherwise held through every layer's backward).
-            del hidden
-            (sum(losses) / count.to(losses[0].dtype)).backward()
-            sums[0] += sum(x.detach() for x in losses).double()
-            if pred is not None:
-                sums[1] += losses[0].detach().double()
-        sums[3] = len(STOP)
+                loss_sum = loss_sum * math.nan
+            del hidden  # the loss made its gradients in forward: 1 GiB per GPU at 1M tokens, not held
+            (loss_sum / count.to(loss_sum.dtype)).backward()
+            sums[0] += loss_sum.detach().double()
+        sums[1] = len(STOP)
         dist.all_reduce(sums)
         loss = float(sums[0] / count)
         grad_norm = global_grad_norm(model, cfg.grad_clip)
@@ -375,10 +403,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         bad_run, bad_total = (bad_run + 1, bad_total + 1) if bad else (0, bad_total)
         if not bad:
             optimizer.step()
+            first, last = first or (step + 1, loss), (step + 1, loss)
         optimizer.zero_grad(set_to_none=True)
-        loss_pred = float(sums[1] / sums[2]) if sums[2] > 0 else None
-        if cfg.loss_on == "predictable":
-            loss_pred = loss  # every counted label is a predictable one
         if device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -391,76 +417,66 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         rec = {"step": step + 1, "loss": loss if math.isfinite(loss) else None,
                "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr, "tokens": tokens,
                "step_time_s": dt, "tokens_per_s": tokens / dt, "tokens_per_s_per_gpu": tokens / dt / world,
-               "peak_mem_gb": peak_gb, "planned_peak_gb": planned.total / 1e9, "mfu": flops / dt / (world * peak * 1e12) if peak else None,
-               "skipped": bad, "nonfinite_steps": bad_total}
-        if loss_pred is not None:
-            rec["loss_predictable"] = loss_pred if math.isfinite(loss_pred) else None
-        first_pred = first_pred if first_pred is not None or bad else loss_pred
+               "peak_mem_gb": peak_gb, "planned_peak_gb": planned.total / 1e9,
+               "mfu": flops / dt / (world * peak * 1e12) if peak else None, "skipped": bad, "nonfinite_steps": bad_total}
         if rank == 0:
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
+            print(json.dumps(rec), file=metrics, flush=True)
+            reporter.log(rec, step + 1)
             line = (f"step {step + 1:>4}/{cfg.steps} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
-                    f"{tokens:,} tok | {dt:.2f} s | {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
+                    f"{tokens:,} tokens | {dt:.2f} s | {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
                     + (f" | mfu {rec['mfu']:.1%}" if rec["mfu"] else "")
                     + (f" | peak {peak_gb:.3g} GB" if peak_gb else "")
-                    + (f" | predictable loss {loss_pred:.4f}" if loss_pred is not None else "")
                     + (f" | offloaded {moved.d2h_bytes / 1e6:,.1f} MB" if cfg.offload else "")
                     + (f" | NON-FINITE, skipped ({bad_run} in a row)" if bad else ""))
             bar.write(line)
             bar.update(1)
-        if step == start and cfg.memory_snapshot and device.type == "cuda":
+        if snapshot:
             torch.cuda.memory._dump_snapshot(f"{cfg.memory_snapshot}.rank{rank}.pickle")
             torch.cuda.memory._record_memory_history(enabled=None)
         if bad_run >= cfg.max_bad_steps:  # the weights are still the last good step's: keep them
-            path = save_checkpoint(cfg.out, step + 1, model, optimizer, loader, rank, keep=cfg.keep_checkpoints)
+            path = checkpoint(step + 1)
             raise RunStopped(f"{bad_run} non-finite steps in a row (steps {step + 2 - bad_run}-{step + 1}, last loss "
                              f"{loss}, grad_norm {grad_norm}); weights and optimizer are those after step "
                              f"{step + 1 - bad_run}, saved in {path}; lower --lr or check the data, then continue "
                              f"with --resume auto")
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            path = save_checkpoint(cfg.out, step + 1, model, optimizer, loader, rank, keep=cfg.keep_checkpoints)
+            checkpoint(step + 1)
             saved_at = step + 1
-            log0(f"checkpoint: {path}")
-        if sums[3] > 0:  # a rank got SIGTERM/SIGUSR1: this step is done; save and leave together
+        if sums[1] > 0:  # a rank got SIGTERM/SIGUSR1: this step is done; save and leave together
             break
     bar.close()
-    if metrics:
+    if rank == 0:
         metrics.close()
+        reporter.close()
     done = step + 1
-    log0(f"{done - start} steps in {time.perf_counter() - t_run:.1f} s")
-    log0(f"memory per GPU: peak {'%.4g GB measured' % peak_gb if measure else 'not measured (--measure-memory)'}, "
-         f"{planned.total / 1e9:.4g} GB planned (memory/plan.py)")
+    log0(f"{done - start} steps in {time.perf_counter() - t_run:.1f} s; memory per GPU: peak "
+         + (f"{peak_gb:.4g} GB measured" if peak_gb is not None else "not measured" + ("" if measure else
+            " (--measure-memory)")) + f", {planned.total / 1e9:.4g} GB planned (memory/plan.py)")
 
     # ---- save: a resumable checkpoint and the model in the Hugging Face layout
     if done < cfg.steps:
-        path = os.path.join(cfg.out, "checkpoints", f"step_{done:06d}")
-        if saved_at != done:
-            path = save_checkpoint(cfg.out, done, model, optimizer, loader, rank, keep=cfg.keep_checkpoints)
-        why = f"{' and '.join(sorted(set(STOP))) or 'a stop signal'} received" if sums[3] > 0 else "--stop-after"
+        path = checkpoint(done) if saved_at != done else os.path.join(cfg.out, "checkpoints", f"step_{done:06d}")
+        why = f"{' and '.join(sorted(set(STOP))) or 'a stop signal'} received" if sums[1] > 0 else "--stop-after"
         log0(f"stopped after step {done} of {cfg.steps} ({why}); checkpoint {path}; continue with --resume auto")
         return
     if cfg.save_every:
-        save_checkpoint(cfg.out, cfg.steps, model, optimizer, loader, rank, keep=cfg.keep_checkpoints)
+        checkpoint(cfg.steps)
+    final = os.path.join(cfg.out, "final")
     if cfg.save_final:
         from model.weights import save_safetensors
-        save_safetensors(model, os.path.join(cfg.out, "final"), dtype=getattr(torch, cfg.save_dtype),
-                         tokenizer_dir=model_dir, progress=rank == 0)
-        log0(f"saved {os.path.join(cfg.out, 'final')} (Hugging Face layout)")
-    if first_pred is not None and start < cfg.steps:
-        log0(f"predictable-part loss: first step {first_pred:.4f} -> last step {loss_pred:.4f} "
-             f"({loss_pred / first_pred:.1%} of the first)")
-
-
-def _bar(total: int, start: int, rank: int):
-    from tqdm import tqdm
-    # On a terminal, a bar above the step lines; in a log file, just the lines.
-    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=sys.stderr,
-                disable=rank != 0 or not sys.stderr.isatty())
+        save_safetensors(model, final, dtype=getattr(torch, cfg.save_dtype), tokenizer_dir=model_dir, progress=rank == 0)
+        log0(f"saved {final} (Hugging Face layout)")
+    # ---- what happened, and where it is
+    if first:
+        log0(f"loss{' on the predictable labels' if cfg.loss_on == 'predictable' else ''}: {first[1]:.4f} at step "
+             f"{first[0]} -> {last[1]:.4f} at step {last[0]} ({last[1] / first[1]:.1%} of the first)")
+    log0(f"outputs in {cfg.out}/: metrics.jsonl (one record per step), config.json (--config reruns it)"
+         + (", checkpoints/ (--resume auto)" if cfg.save_every else "")
+         + (f"; load the model with AutoModelForCausalLM.from_pretrained(\"{final}\")" if cfg.save_final else ""))
 
 
 def fail(e: BaseException, code: int) -> None:
-    """One line per failure, rank 0's first: the other ranks usually fail because of it (or the same
-    way), so they wait a moment, and torchrun has often stopped them by then."""
+    """One line per failure, rank 0's first: the other ranks (usually failing because of it) wait a moment."""
     rank = int(os.environ.get("RANK", 0))
     if rank:
         time.sleep(3)
@@ -476,7 +492,7 @@ def fail(e: BaseException, code: int) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except ConfigError as e:  # a refusal before anything ran
+    except (ConfigError, ReportError) as e:  # a refusal before anything ran
         fail(e, 2)
     except (RunStopped, DiskSpaceError) as e:  # stopped on purpose, with the last good state saved
         fail(e, 3)

@@ -72,6 +72,9 @@ def check_flags(cfg) -> None:
     if cfg.loss_on == "predictable" and not cfg.data.startswith("synthetic:"):
         raise ConfigError("--loss-on predictable needs a synthetic source (--data synthetic:...): only they mark "
                           "which labels are predictable; use --loss-on all")
+    if getattr(cfg, "save_attention", None) and getattr(cfg, "attn_backend", "auto") == "sdpa":
+        raise ConfigError("--save-attention: --attn-backend sdpa has no log-sum-exp for attention once; "
+                          "use --attn-backend auto or --no-save-attention")
     if cfg.cache_dir and os.path.isfile(cfg.cache_dir):
         raise ConfigError(f"--cache-dir {cfg.cache_dir} is a file; pass a directory for the token cache")
     if cfg.resume not in ("", "auto"):
