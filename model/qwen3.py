@@ -106,15 +106,17 @@ class _RMSNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         x2 = x.reshape(-1, x.shape[-1])  # [N, dim]
         step = max(1, _RMSNormFn.CHUNK_ELEMS // x2.shape[1])
-        out = torch.empty(x2.shape, dtype=torch.result_type(weight, x), device=x.device)
+        # Returned as allocated, not as a view: FSDP2 warns about (and its hooks can miss) view outputs.
+        out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
+        out2 = out.view(x2.shape)  # [N, dim], the chunks are written through it
         rstd = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)  # [N, 1]
         for s in range(0, x2.shape[0], step):
             xf = x2[s:s + step].float()
             r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
             rstd[s:s + step] = r
-            torch.mul(weight, (xf * r).to(x.dtype), out=out[s:s + step])
+            torch.mul(weight, (xf * r).to(x.dtype), out=out2[s:s + step])
         ctx.save_for_backward(x, weight, rstd)
-        return out.view(*x.shape[:-1], out.shape[1])
+        return out
 
     @staticmethod
     def backward(ctx, dy):
