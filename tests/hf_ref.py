@@ -1,6 +1,7 @@
 """The reference side of the tests: transformers' Qwen3ForCausalLM built from our Qwen3Config."""
 
 import torch
+import torch.nn.functional as F
 import transformers
 
 from model.config import Qwen3Config
@@ -38,3 +39,15 @@ def config_variants() -> dict[str, Qwen3Config]:
         "yarn4": tiny.with_yarn(4, 64),
         "yarn32": tiny.with_yarn(32, 16),
     }
+
+
+def ref_loss_and_norm(ref, rows) -> tuple[float, float, float]:
+    """transformers: mean cross-entropy over every label of the rows (ids [N, L+1]), its gradient
+    norm, and the logits' rms."""
+    ref.zero_grad()
+    ids = torch.as_tensor(rows, dtype=torch.long)
+    logits = ref(ids[:, :-1]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    return loss.item(), norm.item(), logits.detach().square().mean().sqrt().item()

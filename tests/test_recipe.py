@@ -15,10 +15,9 @@ import os
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from hf_ref import hf_config, hf_model, save_hf
+from hf_ref import hf_config, hf_model, ref_loss_and_norm, save_hf
 from model.config import Qwen3Config
 from test_train import metrics, run_train
 
@@ -92,15 +91,7 @@ def final(out):
     return load_file(str(out / "final" / "model.safetensors"))
 
 
-def loss_and_norm(ref, rows: np.ndarray) -> tuple[float, float, float]:
-    """Mean cross-entropy over every label of the rows, its gradient norm, and the logits' rms."""
-    ref.zero_grad()
-    ids = torch.as_tensor(rows, dtype=torch.long)
-    logits = ref(ids[:, :-1]).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
-    return loss.item(), norm.item(), logits.detach().square().mean().sqrt().item()
+loss_and_norm = ref_loss_and_norm  # (loss, grad norm, logits rms) of transformers on the rows
 
 
 def step_rows(d, step: int, per_step: int) -> np.ndarray:

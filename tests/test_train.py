@@ -15,9 +15,8 @@ import tempfile
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
-from hf_ref import hf_model, save_hf
+from hf_ref import hf_model, ref_loss_and_norm, save_hf
 from model.config import Qwen3Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,13 +63,7 @@ def setup(tmp_path_factory):
 
 def _ref_loss_and_norm(ref, rows: np.ndarray):
     """transformers: mean cross-entropy over every label of the rows, and its gradient norm."""
-    ref.zero_grad()
-    ids = torch.as_tensor(rows, dtype=torch.long)
-    logits = ref(ids[:, :-1]).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
-    return loss.item(), norm.item()
+    return ref_loss_and_norm(ref, rows)[:2]
 
 
 def _common(d, out, seq_len=64):
