@@ -9,12 +9,11 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 import train
+from dist_utils import run_train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVERY = 6, 2
@@ -22,11 +21,8 @@ STEPS, EVERY = 6, 2
 
 def _run(tmp, *args):
     # QWEN3_1M_CACHE: no test writes a token cache into the real home (the demo's data needs none).
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "QWEN3_1M_CACHE": str(tmp / "cache")}
-    p = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return p
+    # (train.py as __main__ in a process forked from dist_utils' fork server: torch is imported already)
+    return run_train(1, *args, env={"QWEN3_1M_CACHE": str(tmp / "cache")})
 
 
 def _metrics(out):
@@ -56,9 +52,7 @@ def _has(module):
 # -h
 # ---------------------------------------------------------------------------------------------
 def test_help_documents_every_flag_default_choices_and_presets():
-    p = subprocess.run([sys.executable, "train.py", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": ROOT, "COLUMNS": "200"})
-    assert p.returncode == 0, p.stderr
+    p = run_train(1, "-h", env={"COLUMNS": "200"})
     text = p.stdout
     # argparse's layout: each flag's help is the text from its option line to the next option line
     blocks = dict(re.findall(r"^  (--[\w-]+)[^\n]*?(?:  +|\n\s+)(.*?)(?=^  -|\Z)", text, re.S | re.M))

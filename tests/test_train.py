@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import dist_utils
 from hf_ref import hf_model, ref_loss_and_norm, save_hf
 from model.config import Qwen3Config
 
@@ -24,12 +25,14 @@ CFG = Qwen3Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidd
                   num_key_value_heads=2, head_dim=16, bos_token_id=None, eos_token_id=None)
 
 
-def run_train(nproc: int, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """`python train.py ...` for one process, else torchrun. No port is picked here and bound
-    later (another test could take it in between): torchrun --standalone binds its rendezvous on
-    port 0 and hands the workers its store; one process needs no port (an in-memory store). A
-    launch that failed on EADDRINUSE anyway is retried (it died before any step).
-    QWEN3_1M_CACHE: a token cache never lands in the real home."""
+def run_train(nproc: int, *args: str, check: bool = True, real: bool = False) -> subprocess.CompletedProcess:
+    """train.py on nproc ranks: by default forked from dist_utils' fork server (torchrun's
+    environment, train.py as __main__, without paying torch's import per rank); real=True starts
+    it as a user does, `python train.py ...` for one process, else torchrun --standalone (its
+    rendezvous binds port 0: no port picked here to race for). QWEN3_1M_CACHE: a token cache
+    never lands in the real home."""
+    if not real:
+        return dist_utils.run_train(nproc, *args, check=check)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
            "QWEN3_1M_CACHE": os.path.join(tempfile.gettempdir(), "qwen3-1m-tests")}
     if nproc == 1:
@@ -37,10 +40,7 @@ def run_train(nproc: int, *args: str, check: bool = True) -> subprocess.Complete
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "train.py", *args]
-    for _ in range(3):
-        p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-        if p.returncode == 0 or "EADDRINUSE" not in p.stderr:
-            break
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
     return p
@@ -158,9 +158,7 @@ def test_bad_configurations_fail_fast_with_clear_errors(setup, tmp_path):
 
 
 def test_dry_run_prints_the_recipe_and_its_plan():
-    p = subprocess.run([sys.executable, "train.py", "--preset", "qwen3-8b-1m", "--dry-run"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
-    assert p.returncode == 0, p.stderr
+    p = run_train(1, "--preset", "qwen3-8b-1m", "--dry-run")
     assert '"seq_len": 1048576' in p.stdout and '"tokens_per_rank": 131072' in p.stdout
     assert "GB" in p.stdout
 
@@ -169,7 +167,7 @@ def test_dry_run_prints_the_recipe_and_its_plan():
 def test_demo_learns_across_shards(tmp_path):
     """The demo as `bash torchrun.sh` runs it on a CPU machine (2 processes, sp=2): the loss on the
     repeated half, whose every answer lives on the other rank, must fall below a third."""
-    p = run_train(2, "--preset", "demo", "--out", str(tmp_path / "demo"), "--save-every", "0")
+    p = run_train(2, "--preset", "demo", "--out", str(tmp_path / "demo"), "--save-every", "0", real=True)
     m = metrics(tmp_path / "demo")
     first, last = m[0]["loss"], m[-1]["loss"]  # --loss-on predictable: the loss is the repeated half's
     print(f"demo predictable loss {first:.3f} -> {last:.4f} in {len(m)} steps")
