@@ -29,12 +29,7 @@ OUT = B * T * CFG.num_attention_heads * CFG.head_dim * 4  # fp32 attention outpu
 LSE = B * CFG.num_attention_heads * T * 4  # fp32 log-sum-exp
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 class CountAttention(TorchDispatchMode):

@@ -41,13 +41,7 @@ def _blocks_ref(n: int) -> int:
 X_BLOCKS = _blocks_ref(X_BYTES)  # 24,576 B in 48 blocks of 512 B
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny shapes: threads only add overhead (10x on a busy 2-core machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def _model(seed: int = 0) -> Qwen3:
