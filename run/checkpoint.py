@@ -73,10 +73,12 @@ def save_checkpoint(out: str, step: int, model, optimizer, loader, rank: int, ke
     tmp = final + ".tmp"
     msd, osd = get_state_dict(model, optimizer)
     # ---- room for it? Every rank's shards, plus 5% and 64 MB for metadata and the extra files
-    need = torch.tensor([_local_bytes(msd) + _local_bytes(osd)], dtype=torch.float64)
+    # on the parameters' device: a plain NCCL group has no backend for host tensors
+    dev = next(model.parameters()).device
+    need = torch.tensor([_local_bytes(msd) + _local_bytes(osd)], dtype=torch.float64, device=dev)
     dist.all_reduce(need)
     os.makedirs(root, exist_ok=True)
-    free = torch.tensor([float(free_bytes(root))], dtype=torch.float64)
+    free = torch.tensor([float(free_bytes(root))], dtype=torch.float64, device=dev)
     dist.all_reduce(free, op=dist.ReduceOp.MIN)
     need_b = float(need) * 1.05 + 64e6
     if free.item() < need_b:
