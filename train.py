@@ -396,7 +396,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             sums[0] += loss_sum.detach().double()
         sums[1] = len(STOP)
         dist.all_reduce(sums)
-        loss = float(sums[0] / count)
+        (loss, stops), tokens = sums.tolist(), int(count.item())  # one host read each, not one per use
+        loss /= tokens
         grad_norm = global_grad_norm(model, cfg.grad_clip)
         # A non-finite loss or gradient norm (the same on every rank) leaves weights and AdamW as they were.
         bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
@@ -412,7 +413,6 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         moved = offload.reset_step()  # this step's offload counters
 
         # ---- log
-        tokens = int(count.item())
         # A skipped step's NaN/inf is written as null: strict JSON readers (jq, JavaScript) have no NaN.
         rec = {"step": step + 1, "loss": loss if math.isfinite(loss) else None,
                "grad_norm": grad_norm if math.isfinite(grad_norm) else None, "lr": lr, "tokens": tokens,
@@ -442,7 +442,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
             checkpoint(step + 1)
             saved_at = step + 1
-        if sums[1] > 0:  # a rank got SIGTERM/SIGUSR1: this step is done; save and leave together
+        if stops > 0:  # a rank got SIGTERM/SIGUSR1: this step is done; save and leave together
             break
     bar.close()
     if rank == 0:
@@ -456,7 +456,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     # ---- save: a resumable checkpoint and the model in the Hugging Face layout
     if done < cfg.steps:
         path = checkpoint(done) if saved_at != done else os.path.join(cfg.out, "checkpoints", f"step_{done:06d}")
-        why = f"{' and '.join(sorted(set(STOP))) or 'a stop signal'} received" if sums[1] > 0 else "--stop-after"
+        why = f"{' and '.join(sorted(set(STOP))) or 'a stop signal'} received" if stops > 0 else "--stop-after"
         log0(f"stopped after step {done} of {cfg.steps} ({why}); checkpoint {path}; continue with --resume auto")
         return
     if cfg.save_every:
