@@ -68,6 +68,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_steps(step, stack, x, device, warmup: int, steps: int, pool=None) -> dict:
+    """`warmup` calls of step(), then the mean time of `steps` more, and on CUDA their peak memory:
+    in all, and above what was allocated before them (parameters and inputs: the warm-up's
+    gradients are dropped first). The pool's counters restart after the warm-up."""
+    cuda = device.type == "cuda"
+    for _ in range(warmup):
+        step()
+    if pool is not None:
+        pool.reset_step()
+    stack.zero_grad(set_to_none=True)
+    x.grad = None
+    _sync(device)
+    base = torch.cuda.memory_allocated(device) if cuda else 0  # parameters and inputs
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    return {"step_s": sum(times) / len(times), "oom": False, "peak_gib": peak / GIB if cuda else None,
+            "act_gib": (peak - base) / GIB if cuda else None}
+
+
 def _measure(stack, mode, x, cos, sin, dy, steps, warmup, tile_mlp, min_bytes, device) -> dict:
     """Run one mode: warmup steps, then `steps` timed steps; peak memory over the timed ones."""
     pool, reserved = None, None
@@ -89,26 +115,7 @@ def _measure(stack, mode, x, cos, sin, dy, steps, warmup, tile_mlp, min_bytes, d
         out.backward(dy)
 
     try:
-        for _ in range(warmup):
-            step()
-        if pool is not None:
-            pool.reset_step()
-        stack.zero_grad(set_to_none=True)
-        x.grad = None
-        _sync(device)
-        base = torch.cuda.memory_allocated(device) if cuda else 0  # parameters and inputs
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        r = {"step_s": sum(times) / len(times), "oom": False,
-             "peak_gib": torch.cuda.max_memory_allocated(device) / GIB if cuda else None,
-             "act_gib": (torch.cuda.max_memory_allocated(device) - base) / GIB if cuda else None,
-             "x_grad_norm": x.grad.float().norm().item()}
+        r = {**timed_steps(step, stack, x, device, warmup, steps, pool), "x_grad_norm": x.grad.float().norm().item()}
         if pool is not None:
             s = pool.reset_step()
             r.update(d2h_mib=s.d2h_bytes / steps / MIB, h2d_mib=s.h2d_bytes / steps / MIB,

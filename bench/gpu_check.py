@@ -161,7 +161,7 @@ def run_stack(cfg, tokens: int, layers: int, dev: torch.device, dtype: torch.dty
     tile_mlp=tile), the pool reserved before the first step (L-1 layers' input, attention out and
     lse; the last layer keeps its own on the device). Forward + backward from a random gradient;
     mean step time over `steps` after `warmup`, CUDA peak memory over the parameters and inputs."""
-    from bench.bench_offload import LayerStack
+    from bench.bench_offload import LayerStack, timed_steps
     from model.offload import apply_offload, remove_offload
     from model.qwen3 import rope_cos_sin
 
@@ -188,26 +188,9 @@ def run_stack(cfg, tokens: int, layers: int, dev: torch.device, dtype: torch.dty
         stack(x, cos, sin).backward(dy)
 
     try:
-        for _ in range(warmup):
-            step()
-        pool.reset_step()
-        stack.zero_grad(set_to_none=True)
-        x.grad = None
-        _sync(dev)
-        base = torch.cuda.memory_allocated(dev) if cuda else 0  # parameters and inputs
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(dev)
-        times = []
-        for _ in range(steps):
-            t1 = time.perf_counter()
-            step()
-            _sync(dev)
-            times.append(time.perf_counter() - t1)
+        r = timed_steps(step, stack, x, dev, warmup, steps, pool)
         moved = pool.reset_step()
-        return {"step_s": sum(times) / len(times), "oom": False,
-                "peak_gib": torch.cuda.max_memory_allocated(dev) / GiB if cuda else None,
-                "act_gib": (torch.cuda.max_memory_allocated(dev) - base) / GiB if cuda else None,
-                "d2h_mib": moved.d2h_bytes / steps / 2**20, "h2d_mib": moved.h2d_bytes / steps / 2**20,
+        return {**r, "d2h_mib": moved.d2h_bytes / steps / 2**20, "h2d_mib": moved.h2d_bytes / steps / 2**20,
                 "pool_mib": moved.pool_bytes / 2**20, "pinned_mib": moved.pinned_bytes / 2**20,
                 "host_allocs_after_reserve": moved.host_allocs, "reserve_s": reserve_s}
     except torch.cuda.OutOfMemoryError:
