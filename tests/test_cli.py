@@ -14,20 +14,9 @@ import pytest
 
 import train
 from dist_utils import run_train
+from test_train import metrics as _metrics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVERY = 6, 2
-
-
-def _run(tmp, *args):
-    # QWEN3_1M_CACHE: no test writes a token cache into the real home (the demo's data needs none).
-    # (train.py as __main__ in a process forked from dist_utils' fork server: torch is imported already)
-    return run_train(1, *args, env={"QWEN3_1M_CACHE": str(tmp / "cache")})
-
-
-def _metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +24,8 @@ def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     tb = ["--report-to", "tensorboard"] if _has("tensorboard") else []
     out = tmp / "demo"
-    p = _run(tmp, "--preset", "demo", "--steps", str(STEPS), "--sp", "1", "--save-every", str(EVERY),
-             "--keep-checkpoints", "2", "--out", str(out), *tb)
+    p = run_train(1, "--preset", "demo", "--steps", str(STEPS), "--sp", "1", "--save-every", str(EVERY),
+                  "--keep-checkpoints", "2", "--out", str(out), *tb)
     return tmp, out, p
 
 
@@ -138,7 +127,7 @@ def test_config_json_reruns_the_same_run(demo):
     again = tmp / "again"
     cfg = train.parse_args(["--config", str(out / "config.json"), "--out", str(again)])
     assert cfg == dataclasses.replace(train.TrainConfig(**saved), out=str(again))
-    _run(tmp, "--config", str(out / "config.json"), "--out", str(again), "--report-to", "none")
+    run_train(1, "--config", str(out / "config.json"), "--out", str(again), "--report-to", "none")
     a, b = _metrics(out), _metrics(again)
     assert [(r["loss"], r["grad_norm"], r["lr"], r["tokens"]) for r in a] == \
            [(r["loss"], r["grad_norm"], r["lr"], r["tokens"]) for r in b]

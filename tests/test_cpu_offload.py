@@ -105,7 +105,8 @@ def test_train_cpu_offload_matches_and_resumes_exactly(tmp_path):
     from safetensors.torch import load_file
 
     from hf_ref import hf_model, save_hf
-    from test_train import CFG as TRAIN_CFG, metrics, run_train  # 4 heads, 2 kv heads: sp=2 fits
+    from dist_utils import run_train
+    from test_train import CFG as TRAIN_CFG, metrics  # 4 heads, 2 kv heads: sp=2 fits
 
     save_hf(hf_model(TRAIN_CFG, seed=3), str(tmp_path / "model"))
     np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, TRAIN_CFG.vocab_size, (8, 33), dtype=np.int64))

@@ -343,7 +343,6 @@ def test_reserve_allocates_the_formula_in_real_buffers(count, shape, dtype):
     s = pool.stats()
     assert (s.pinned_bytes, s.pool_bytes, s.pool_buffers, s.host_allocs) == (real, count * n, len(blocks), 0)
     assert real <= 1.02 * count * n
-    assert r["seconds"] >= 0
     # reserving adds room; inputs below min_bytes stay on the device, so nothing to reserve for them
     pool.reserve(1, shape, dtype, "cpu")
     assert pool.stats().pinned_bytes == (count + 1) * _blocks_ref(n) * _block_ref(n)

@@ -19,10 +19,9 @@ from safetensors.torch import load_file
 
 from hf_ref import hf_config, hf_model, ref_loss_and_norm, save_hf
 from model.config import Qwen3Config
-from test_train import metrics, run_train
+from dist_utils import run_train
+from test_train import CFG, metrics  # the tiny Qwen3 every train.py test uses
 
-CFG = Qwen3Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, bos_token_id=None, eos_token_id=None)
 TIED = dataclasses.replace(CFG, tie_word_embeddings=True)
 YARN = (4.0, 16)  # factor, original_max_position_embeddings: rows of 64 reach position 63 > 16
 SEQ, ROWS = 64, 8

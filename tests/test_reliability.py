@@ -33,9 +33,9 @@ def run(args, *, nproc=1, env=None, timeout=120, launcher="fork"):
     """train.py (or torchrun.sh) with args; returns the CompletedProcess. launcher "fork": train.py as
     __main__ on nproc ranks forked from dist_utils' fork server (torchrun's environment, no
     per-rank import of torch); "python": a plain `python train.py`; "torchrun.sh": the front door."""
-    env = {**ENV, **(env or {})}
-    if launcher == "fork":
+    if launcher == "fork":  # forked from a process that has ENV's settings already
         return dist_utils.run_train(nproc, *args, env=env, timeout=timeout, check=False)
+    env = {**ENV, **(env or {})}
     if launcher == "torchrun.sh":
         cmd = ["bash", "torchrun.sh", *args]
         env.update(NPROC_PER_NODE=str(nproc), MASTER_PORT=str(free_port()))

@@ -18,11 +18,9 @@ import torch.nn.functional as F
 import transformers.optimization as hf_opt
 
 from hf_ref import hf_model, save_hf
-from model.config import Qwen3Config
-from test_train import metrics, run_train
+from dist_utils import run_train
+from test_train import CFG, metrics  # the tiny Qwen3 every train.py test uses
 
-CFG = Qwen3Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, bos_token_id=None, eos_token_id=None)
 SEQ, LR, WD = 16, 1e-2, 0.5
 # name: (decay, steps, warmup, min_lr_ratio)
 RUNS = {"cosine": ("cosine", 10, 3, 0.1), "linear": ("linear", 8, 2, 0.25), "constant": ("constant", 6, 2, 0.1)}

@@ -1,4 +1,5 @@
-"""train.py end to end, in subprocesses as a user runs it, against transformers and against itself.
+"""train.py end to end, against transformers and against itself: train.py as __main__ on N ranks
+(dist_utils.run_train), and the demo through torchrun itself.
 
 One set of one-step runs on the same token file serves two checks:
   * every layout (1 process, sp=2, sp=4 with kv heads repeated, dp=2 x sp=2, a padded length)
@@ -10,40 +11,18 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
 import torch
 
-import dist_utils
+from dist_utils import run_train
 from hf_ref import hf_model, ref_loss_and_norm, save_hf
 from model.config import Qwen3Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = Qwen3Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, bos_token_id=None, eos_token_id=None)
-
-
-def run_train(nproc: int, *args: str, check: bool = True, real: bool = False) -> subprocess.CompletedProcess:
-    """train.py on nproc ranks: by default forked from dist_utils' fork server (torchrun's
-    environment, train.py as __main__, without paying torch's import per rank); real=True starts
-    it as a user does, `python train.py ...` for one process, else torchrun --standalone (its
-    rendezvous binds port 0: no port picked here to race for). QWEN3_1M_CACHE: a token cache
-    never lands in the real home."""
-    if not real:
-        return dist_utils.run_train(nproc, *args, check=check)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT,
-           "QWEN3_1M_CACHE": os.path.join(tempfile.gettempdir(), "qwen3-1m-tests")}
-    if nproc == 1:
-        cmd = [sys.executable, "train.py", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-               "train.py", *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if check and p.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
-    return p
 
 
 def metrics(out_dir) -> list[dict]:
@@ -167,7 +146,11 @@ def test_dry_run_prints_the_recipe_and_its_plan():
 def test_demo_learns_across_shards(tmp_path):
     """The demo as `bash torchrun.sh` runs it on a CPU machine (2 processes, sp=2): the loss on the
     repeated half, whose every answer lives on the other rank, must fall below a third."""
-    p = run_train(2, "--preset", "demo", "--out", str(tmp_path / "demo"), "--save-every", "0", real=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "QWEN3_1M_CACHE": str(tmp_path / "cache")}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "train.py", "--preset", "demo", "--out", str(tmp_path / "demo"), "--save-every", "0"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
     m = metrics(tmp_path / "demo")
     first, last = m[0]["loss"], m[-1]["loss"]  # --loss-on predictable: the loss is the repeated half's
     print(f"demo predictable loss {first:.3f} -> {last:.4f} in {len(m)} steps")
