@@ -66,13 +66,25 @@ ATTN_BWD_FACTOR = inspect.signature(step_flops).parameters["attn_bwd_factor"].de
 NVLINK_GBPS = 450.0  # per direction per GPU, NVLink 4 (H100 / H200 SXM)
 MATH_MAX_SCORE_BYTES = 4 * GiB  # the math backend materialises [heads, T, T] fp32 scores
 # aten op name fragment -> backend name, for what the dispatch mode sees
-_OPS = {"flash_attention": "flash", "efficient_attention": "efficient", "cudnn_attention": "cudnn",
-        "attention_math": "math", "fused_attention_overrideable": "overrideable"}
+_OPS = {
+    "flash_attention": "flash",
+    "efficient_attention": "efficient",
+    "cudnn_attention": "cudnn",
+    "attention_math": "math",
+    "fused_attention_overrideable": "overrideable",
+}
 
 
 # ---- exchange volumes (arithmetic) ----------------------------------------------------------
-def exchange_volumes(config: Qwen3Config, tokens: int, sp: int, *, bytes_per_elem: int = 2,
-                     batch: int = 1, nvlink_gbps: float = NVLINK_GBPS) -> dict:
+def exchange_volumes(
+    config: Qwen3Config,
+    tokens: int,
+    sp: int,
+    *,
+    bytes_per_elem: int = 2,
+    batch: int = 1,
+    nvlink_gbps: float = NVLINK_GBPS,
+) -> dict:
     """Bytes one rank passes to all_to_all_single per layer, by phase, and a projected time.
 
     Rows: phase (forward, recompute, backward), tensor, op, the [sp, B, T/sp, heads/sp, hd]
@@ -85,27 +97,52 @@ def exchange_volumes(config: Qwen3Config, tokens: int, sp: int, *, bytes_per_ele
     if sp > 1:  # sp=1 exchanges nothing
         check_heads(nh, nkv, sp)
         hkv = max(nkv, sp)  # kv heads repeated to sp before the exchange when sp > nkv
-        fwd = [("q", "seq_to_heads", nh), ("k", "seq_to_heads", hkv), ("v", "seq_to_heads", hkv),
-               ("out", "heads_to_seq", nh)]
-        bwd = [("grad out", "seq_to_heads", nh), ("grad q", "heads_to_seq", nh),
-               ("grad k", "heads_to_seq", hkv), ("grad v", "heads_to_seq", hkv)]
+        fwd = [
+            ("q", "seq_to_heads", nh),
+            ("k", "seq_to_heads", hkv),
+            ("v", "seq_to_heads", hkv),
+            ("out", "heads_to_seq", nh),
+        ]
+        bwd = [
+            ("grad out", "seq_to_heads", nh),
+            ("grad q", "heads_to_seq", nh),
+            ("grad k", "heads_to_seq", hkv),
+            ("grad v", "heads_to_seq", hkv),
+        ]
         for phase, items in (("forward", fwd), ("recompute", fwd), ("backward", bwd)):
             for name, op, heads in items:
                 # seq_to_heads permutes [B, T/sp, h, hd] to this; heads_to_seq views [B, T, h/sp, hd] as it
                 shape = (sp, batch, tokens // sp, heads // sp, hd)
                 nbytes = math.prod(shape) * bytes_per_elem
-                rows.append({"phase": phase, "tensor": name, "op": op, "buffer_shape": list(shape),
-                             # block r of the buffer stays on rank r: (sp-1)/sp of it crosses links
-                             "buffer_bytes": nbytes, "sent_bytes": nbytes * (sp - 1) // sp})
-    per = {ph: sum(r["sent_bytes"] for r in rows if r["phase"] == ph)
-           for ph in ("forward", "recompute", "backward")}
+                rows.append(
+                    {
+                        "phase": phase,
+                        "tensor": name,
+                        "op": op,
+                        "buffer_shape": list(shape),
+                        # block r of the buffer stays on rank r: (sp-1)/sp of it crosses links
+                        "buffer_bytes": nbytes,
+                        "sent_bytes": nbytes * (sp - 1) // sp,
+                    }
+                )
+    per = {
+        ph: sum(r["sent_bytes"] for r in rows if r["phase"] == ph)
+        for ph in ("forward", "recompute", "backward")
+    }
     layer = sum(per.values())
     L = config.num_hidden_layers
-    return {"tokens": tokens, "sp": sp, "bytes_per_elem": bytes_per_elem, "layers": L, "rows": rows,
-            "sent_per_layer": {**per, "total": layer}, "sent_per_step": L * layer,
-            "nvlink_gbps": nvlink_gbps,
-            "projected_s_per_layer": layer / (nvlink_gbps * GB),
-            "projected_s_per_step": L * layer / (nvlink_gbps * GB)}
+    return {
+        "tokens": tokens,
+        "sp": sp,
+        "bytes_per_elem": bytes_per_elem,
+        "layers": L,
+        "rows": rows,
+        "sent_per_layer": {**per, "total": layer},
+        "sent_per_step": L * layer,
+        "nvlink_gbps": nvlink_gbps,
+        "projected_s_per_layer": layer / (nvlink_gbps * GB),
+        "projected_s_per_step": L * layer / (nvlink_gbps * GB),
+    }
 
 
 def _size(n: float) -> str:
@@ -119,19 +156,25 @@ def format_exchange(ex: dict) -> str:
     """The exchange rows as a table, with totals and the projected time."""
     if not ex["rows"]:
         return f"sp={ex['sp']}: no all-to-all"
-    out = [f"all-to-all per rank per layer, sp={ex['sp']}, {ex['tokens']:,} tokens, "
-           f"{8 * ex['bytes_per_elem']}-bit elements (sent = (sp-1)/sp of the buffer)",
-           f"  {'phase':<10}{'tensor':<9}{'op':<14}{'buffer [sp,B,T/sp,h/sp,hd]':<30}"
-           f"{'buffer':>12}{'sent':>12}"]
+    out = [
+        f"all-to-all per rank per layer, sp={ex['sp']}, {ex['tokens']:,} tokens, "
+        f"{8 * ex['bytes_per_elem']}-bit elements (sent = (sp-1)/sp of the buffer)",
+        f"  {'phase':<10}{'tensor':<9}{'op':<14}{'buffer [sp,B,T/sp,h/sp,hd]':<30}"
+        f"{'buffer':>12}{'sent':>12}",
+    ]
     for r in ex["rows"]:
-        out.append(f"  {r['phase']:<10}{r['tensor']:<9}{r['op']:<14}{str(r['buffer_shape']):<30}"
-                   f"{_size(r['buffer_bytes']):>12}{_size(r['sent_bytes']):>12}")
+        out.append(
+            f"  {r['phase']:<10}{r['tensor']:<9}{r['op']:<14}{str(r['buffer_shape']):<30}"
+            f"{_size(r['buffer_bytes']):>12}{_size(r['sent_bytes']):>12}"
+        )
     s = ex["sent_per_layer"]
-    out += [f"  sent per layer: forward {_size(s['forward'])}, recompute {_size(s['recompute'])}, "
-            f"backward {_size(s['backward'])}, total {_size(s['total'])} ({s['total'] / GB:.3g} GB)",
-            f"  per step ({ex['layers']} layers): {ex['sent_per_step'] / GB:.3g} GB -> PROJECTED "
-            f"{ex['projected_s_per_step']:.3g} s at {ex['nvlink_gbps']:g} GB/s per direction per GPU "
-            f"({1e3 * ex['projected_s_per_layer']:.3g} ms per layer; a projection, not a measurement)"]
+    out += [
+        f"  sent per layer: forward {_size(s['forward'])}, recompute {_size(s['recompute'])}, "
+        f"backward {_size(s['backward'])}, total {_size(s['total'])} ({s['total'] / GB:.3g} GB)",
+        f"  per step ({ex['layers']} layers): {ex['sent_per_step'] / GB:.3g} GB -> PROJECTED "
+        f"{ex['projected_s_per_step']:.3g} s at {ex['nvlink_gbps']:g} GB/s per direction per GPU "
+        f"({1e3 * ex['projected_s_per_layer']:.3g} ms per layer; a projection, not a measurement)",
+    ]
     return "\n".join(out)
 
 
@@ -158,8 +201,10 @@ def _sync(dev: torch.device) -> None:
 def _inputs(T, hq, hkv, hd, dtype, dev, seed):
     """q [1, T, hq, hd], k, v [1, T, hkv, hd] needing grad, and an output gradient."""
     g = torch.Generator(device=dev).manual_seed(seed)
-    q, k, v = (torch.randn(1, T, h, hd, generator=g, device=dev, dtype=dtype).requires_grad_()
-               for h in (hq, hkv, hkv))
+    q, k, v = (
+        torch.randn(1, T, h, hd, generator=g, device=dev, dtype=dtype).requires_grad_()
+        for h in (hq, hkv, hkv)
+    )
     return q, k, v, torch.randn(1, T, hq, hd, generator=g, device=dev, dtype=dtype)
 
 
@@ -198,10 +243,21 @@ def _candidates(backend: str, dev, dtype, T: int, hq: int, hkv: int, hd: int, by
     return c
 
 
-def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3Config = "qwen3-8b",
-        device: str = "cuda", dtype: torch.dtype | None = None, tiny: bool = False,
-        backend: str = "pinned", steps: int = 1, warmup_tokens: int = 16384,
-        time_limit_s: float | None = None, nvlink_gbps: float = NVLINK_GBPS, seed: int = 0) -> dict:
+def run(
+    tokens: int | None = None,
+    sp: int | None = None,
+    *,
+    model: str | Qwen3Config = "qwen3-8b",
+    device: str = "cuda",
+    dtype: torch.dtype | None = None,
+    tiny: bool = False,
+    backend: str = "pinned",
+    steps: int = 1,
+    warmup_tokens: int = 16384,
+    time_limit_s: float | None = None,
+    nvlink_gbps: float = NVLINK_GBPS,
+    seed: int = 0,
+) -> dict:
     """Time one rank's causal attention forward + backward; returns a dict (see format_result).
 
     tiny: the tiny preset, 512 tokens, sp=2. backend: see the module docstring; the one that ran
@@ -225,14 +281,25 @@ def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3C
     bwd_flops = ATTN_BWD_FACTOR * fwd_flops
     t_start = time.perf_counter()
 
-    result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "torch": torch.__version__,
-              "model": "tiny" if tiny else (model if isinstance(model, str) else "custom"),
-              "tokens": T, "sp": sp, "dtype": str(dtype).replace("torch.", ""),
-              "q_shape": [1, T, hq, hd], "kv_shape": [1, T, hkv, hd], "kv_repeated_for_sp": sp > nkv,
-              "backend_requested": backend, "backend": None, "backend_ops": [], "gqa": None,
-              "backend_errors": {}, "fwd_flops": fwd_flops, "bwd_flops": bwd_flops,
-              "attn_bwd_factor": ATTN_BWD_FACTOR}
+    result = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "model": "tiny" if tiny else (model if isinstance(model, str) else "custom"),
+        "tokens": T,
+        "sp": sp,
+        "dtype": str(dtype).replace("torch.", ""),
+        "q_shape": [1, T, hq, hd],
+        "kv_shape": [1, T, hkv, hd],
+        "kv_repeated_for_sp": sp > nkv,
+        "backend_requested": backend,
+        "backend": None,
+        "backend_ops": [],
+        "gqa": None,
+        "backend_errors": {},
+        "fwd_flops": fwd_flops,
+        "bwd_flops": bwd_flops,
+        "attn_bwd_factor": ATTN_BWD_FACTOR,
+    }
     Tw = min(warmup_tokens, T)  # warm-up length: same kernels, a fraction of the time
     q = k = v = dout = None
     try:
@@ -253,7 +320,9 @@ def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3C
                 tw = sum(_fwd_bwd(*w, dev))  # warm timing, for the length estimate
                 del w
         except RuntimeError as e:
-            why = dict.fromkeys(str(c.message).strip().splitlines()[0] for c in caught)  # torch's reasons
+            why = dict.fromkeys(
+                str(c.message).strip().splitlines()[0] for c in caught
+            )  # torch's reasons
             result["backend_errors"][label] = "; ".join([*why, str(e).splitlines()[0]])[:600]
             continue
         ran = [b for frag, b in _OPS.items() if any(frag in op for op in rec.ops)]
@@ -281,17 +350,25 @@ def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3C
         fwd_s = min(f for f, _ in times) * scale
         bwd_s = min(b for _, b in times) * scale
         result.update(
-            backend=name, backend_ops=rec.ops,
+            backend=name,
+            backend_ops=rec.ops,
             backend_ran=ran[0] if ran else "math (no fused op seen: a composite of matmuls)",
             gqa="kv heads shared (not expanded)" if hq != hkv else "none (equal heads)",
-            measured_tokens=Tm, extrapolated=Tm != T, steps=steps, warmup_tokens=Tw,
-            fwd_s=fwd_s, bwd_s=bwd_s, fwd_bwd_s=fwd_s + bwd_s,
-            fwd_tflops=fwd_flops / fwd_s / 1e12, bwd_tflops=bwd_flops / bwd_s / 1e12,
+            measured_tokens=Tm,
+            extrapolated=Tm != T,
+            steps=steps,
+            warmup_tokens=Tw,
+            fwd_s=fwd_s,
+            bwd_s=bwd_s,
+            fwd_bwd_s=fwd_s + bwd_s,
+            fwd_tflops=fwd_flops / fwd_s / 1e12,
+            bwd_tflops=bwd_flops / bwd_s / 1e12,
             fwd_bwd_tflops=(fwd_flops + bwd_flops) / (fwd_s + bwd_s) / 1e12,
             inputs_gb=sum(t.numel() * t.element_size() for t in (q, k, v, dout)) / GB,
             peak_mem_gb=None if peak is None else peak / GB,
             act_peak_gb=None if peak is None else (peak - base) / GB,
-            grads_finite=grad_ok)
+            grads_finite=grad_ok,
+        )
         break
     set_backend(before)
     q = k = v = dout = None  # noqa: F841 (free the inputs before returning)
@@ -301,9 +378,18 @@ def run(tokens: int | None = None, sp: int | None = None, *, model: str | Qwen3C
     return result
 
 
-def compare_backends(tokens: int = 65536, hq: int = 4, hkv: int = 1, hd: int = 128, *, device: str = "cuda",
-                     dtype: torch.dtype | None = None, pair: tuple | None = None, seed: int = 0,
-                     rel_tol: float = 2e-2) -> dict:
+def compare_backends(
+    tokens: int = 65536,
+    hq: int = 4,
+    hkv: int = 1,
+    hd: int = 128,
+    *,
+    device: str = "cuda",
+    dtype: torch.dtype | None = None,
+    pair: tuple | None = None,
+    seed: int = 0,
+    rel_tol: float = 2e-2,
+) -> dict:
     """The same causal attention forward and backward on two pinned backends: max differences.
 
     Default pair: cuDNN against flash on CUDA (bf16), cpu_flash against math on CPU (fp32: the
@@ -314,15 +400,26 @@ def compare_backends(tokens: int = 65536, hq: int = 4, hkv: int = 1, hd: int = 1
     reason, not an exception.
     """
     from model.attention import _torch_can_use
+
     dev = torch.device(device)
     dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     a_name, b_name = pair or (("cudnn", "flash") if dev.type == "cuda" else ("cpu_flash", "math"))
-    out = {"tokens": tokens, "q_heads": hq, "kv_heads": hkv, "head_dim": hd, "dtype": str(dtype).replace("torch.", ""),
-           "backends": [a_name, b_name], "rel_tol": rel_tol, "skipped": None}
+    out = {
+        "tokens": tokens,
+        "q_heads": hq,
+        "kv_heads": hkv,
+        "head_dim": hd,
+        "dtype": str(dtype).replace("torch.", ""),
+        "backends": [a_name, b_name],
+        "rel_tol": rel_tol,
+        "skipped": None,
+    }
     for name in (a_name, b_name):
         if not _torch_can_use(name, dev, dtype, hq, hkv, hd):
-            out["skipped"] = (f"{name} cannot run {hq} query / {hkv} kv heads of dim {hd} in {dtype} on {dev} "
-                              f"(torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})")
+            out["skipped"] = (
+                f"{name} cannot run {hq} query / {hkv} kv heads of dim {hd} in {dtype} on {dev} "
+                f"(torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})"
+            )
             return out
     q, k, v, dout = _inputs(tokens, hq, hkv, hd, dtype, dev, seed)
     before, got = get_backend(), {}
@@ -345,43 +442,61 @@ def compare_backends(tokens: int = 65536, hq: int = 4, hkv: int = 1, hd: int = 1
     for t in ("out", "dq", "dk", "dv"):
         a, b = got[a_name][t].float(), got[b_name][t].float()
         max_abs, ref = (a - b).abs().max().item(), b.abs().max().item()
-        diffs[t] = {"max_abs": max_abs, "max_ref": ref, "rel": max_abs / ref if ref else 0.0,
-                    "finite": bool(torch.isfinite(a).all().item() and torch.isfinite(b).all().item())}
+        diffs[t] = {
+            "max_abs": max_abs,
+            "max_ref": ref,
+            "rel": max_abs / ref if ref else 0.0,
+            "finite": bool(torch.isfinite(a).all().item() and torch.isfinite(b).all().item()),
+        }
     out.update(diffs=diffs, agree=all(d["rel"] <= rel_tol and d["finite"] for d in diffs.values()))
     return out
 
 
 def format_compare(c: dict) -> str:
     a, b = c["backends"]
-    head = (f"{a} vs {b}: causal attention, {c['tokens']:,} tokens, {c['q_heads']} query heads on "
-            f"{c['kv_heads']} kv head(s), head_dim {c['head_dim']}, {c['dtype']}")
+    head = (
+        f"{a} vs {b}: causal attention, {c['tokens']:,} tokens, {c['q_heads']} query heads on "
+        f"{c['kv_heads']} kv head(s), head_dim {c['head_dim']}, {c['dtype']}"
+    )
     if c["skipped"]:
         return f"{head}: skipped ({c['skipped']})"
-    rows = [f"  {t:<4} max |{a} - {b}| {d['max_abs']:.3e}  max |{b}| {d['max_ref']:.3e}  relative {d['rel']:.2e}"
-            for t, d in c["diffs"].items()]
-    return "\n".join([head + f": {'agree' if c['agree'] else 'DISAGREE'} (relative <= {c['rel_tol']:g})", *rows])
+    rows = [
+        f"  {t:<4} max |{a} - {b}| {d['max_abs']:.3e}  max |{b}| {d['max_ref']:.3e}  relative {d['rel']:.2e}"
+        for t, d in c["diffs"].items()
+    ]
+    return "\n".join(
+        [head + f": {'agree' if c['agree'] else 'DISAGREE'} (relative <= {c['rel_tol']:g})", *rows]
+    )
 
 
 def format_result(r: dict) -> str:
     """A readable summary of run()'s dict, with the exchange table."""
     f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    head = (f"{r['device']}, torch {r['torch']}: one sp={r['sp']} rank of {r['model']}, "
-            f"{r['tokens']:,} tokens, q {r['q_shape']}, k/v {r['kv_shape']}, {r['dtype']}, causal")
+    head = (
+        f"{r['device']}, torch {r['torch']}: one sp={r['sp']} rank of {r['model']}, "
+        f"{r['tokens']:,} tokens, q {r['q_shape']}, k/v {r['kv_shape']}, {r['dtype']}, causal"
+    )
     if r["backend"] is None:
         lines = [head, "no SDPA backend ran: " + json.dumps(r["backend_errors"])]
     else:
-        lines = [head,
-                 f"backend {r['backend']}, ran {r['backend_ran']} (requested {r['backend_requested']}; ops: "
-                 f"{', '.join(o.replace('aten.', '') for o in r['backend_ops'])}), gqa: {r['gqa']}"
-                 + (f"; measured at {r['measured_tokens']:,} tokens and scaled by T^2"
-                    if r["extrapolated"] else ""),
-                 f"  forward  {r['fwd_s']:9.4f} s  {r['fwd_flops']:.3e} FLOPs  "
-                 f"{r['fwd_tflops']:8.1f} TFLOP/s",
-                 f"  backward {r['bwd_s']:9.4f} s  {r['bwd_flops']:.3e} FLOPs  {r['bwd_tflops']:8.1f} TFLOP/s"
-                 f"  ({r['attn_bwd_factor']:g} x forward FLOPs)",
-                 f"  total    {r['fwd_bwd_s']:9.4f} s  {r['fwd_bwd_tflops']:8.1f} TFLOP/s; peak memory "
-                 f"{f(r['peak_mem_gb'], '.2f')} GB ({f(r['act_peak_gb'], '.2f')} GB over the "
-                 f"{r['inputs_gb']:.2f} GB of inputs)" + (" [CUDA only]" if r["peak_mem_gb"] is None else "")]
+        lines = [
+            head,
+            f"backend {r['backend']}, ran {r['backend_ran']} (requested {r['backend_requested']}; ops: "
+            f"{', '.join(o.replace('aten.', '') for o in r['backend_ops'])}), gqa: {r['gqa']}"
+            + (
+                f"; measured at {r['measured_tokens']:,} tokens and scaled by T^2"
+                if r["extrapolated"]
+                else ""
+            ),
+            f"  forward  {r['fwd_s']:9.4f} s  {r['fwd_flops']:.3e} FLOPs  "
+            f"{r['fwd_tflops']:8.1f} TFLOP/s",
+            f"  backward {r['bwd_s']:9.4f} s  {r['bwd_flops']:.3e} FLOPs  {r['bwd_tflops']:8.1f} TFLOP/s"
+            f"  ({r['attn_bwd_factor']:g} x forward FLOPs)",
+            f"  total    {r['fwd_bwd_s']:9.4f} s  {r['fwd_bwd_tflops']:8.1f} TFLOP/s; peak memory "
+            f"{f(r['peak_mem_gb'], '.2f')} GB ({f(r['act_peak_gb'], '.2f')} GB over the "
+            f"{r['inputs_gb']:.2f} GB of inputs)"
+            + (" [CUDA only]" if r["peak_mem_gb"] is None else ""),
+        ]
         for k, v in r["backend_errors"].items():
             lines.append(f"  refused: {k}: {v}")
     return "\n".join(lines + [format_exchange(r["exchange"])])
@@ -390,19 +505,39 @@ def format_result(r: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="tiny preset, 512 tokens, sp=2, fp32 on CPU")
+    ap.add_argument(
+        "--tiny", action="store_true", help="tiny preset, 512 tokens, sp=2, fp32 on CPU"
+    )
     ap.add_argument("--model", default="qwen3-8b", help="preset or config.json / model directory")
-    ap.add_argument("--tokens", type=int, default=None, help="whole sequence length (default 1,048,576)")
+    ap.add_argument(
+        "--tokens", type=int, default=None, help="whole sequence length (default 1,048,576)"
+    )
     ap.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (default 8)")
-    ap.add_argument("--backend", default="pinned", choices=BACKEND_CHOICES,
-                    help="pinned: the kernel train.py pins (cuDNN where available, else flash)")
+    ap.add_argument(
+        "--backend",
+        default="pinned",
+        choices=BACKEND_CHOICES,
+        help="pinned: the kernel train.py pins (cuDNN where available, else flash)",
+    )
     ap.add_argument("--steps", type=int, default=1, help="timed runs at full length (best kept)")
-    ap.add_argument("--nvlink-gbps", type=float, default=NVLINK_GBPS,
-                    help="GB/s per direction per GPU for the projected all-to-all time")
+    ap.add_argument(
+        "--nvlink-gbps",
+        type=float,
+        default=NVLINK_GBPS,
+        help="GB/s per direction per GPU for the projected all-to-all time",
+    )
     ap.add_argument("--json", default=None, help="also write the result dict here")
     a = ap.parse_args(argv)
-    r = run(a.tokens, a.sp, model=a.model, device=a.device, tiny=a.tiny, backend=a.backend,
-            steps=a.steps, nvlink_gbps=a.nvlink_gbps)
+    r = run(
+        a.tokens,
+        a.sp,
+        model=a.model,
+        device=a.device,
+        tiny=a.tiny,
+        backend=a.backend,
+        steps=a.steps,
+        nvlink_gbps=a.nvlink_gbps,
+    )
     print(format_result(r))
     if a.json:
         Path(a.json).write_text(json.dumps(r, indent=1))

@@ -38,8 +38,14 @@ GB = 1e9
 
 def bench_config(layers: int = 8) -> Qwen3Config:
     """Qwen3-1.7B's widths with fewer layers and untied embeddings: 1.03B parameters at 8 layers."""
-    return Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=layers,
-                       num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=False)
+    return Qwen3Config(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    )
 
 
 def peak_rss() -> float:
@@ -58,7 +64,9 @@ def make_checkpoint(path: str, config: Qwen3Config) -> float:
     """Save a random model with transformers (bf16, several files) unless `path` has it already."""
     want = config.to_hf()
     cfg_file = os.path.join(path, "config.json")
-    if os.path.isfile(cfg_file) and os.path.isfile(os.path.join(path, "model.safetensors.index.json")):
+    if os.path.isfile(cfg_file) and os.path.isfile(
+        os.path.join(path, "model.safetensors.index.json")
+    ):
         with open(cfg_file) as f:
             have = json.load(f)
         if all(have.get(k) == want[k] for k in ("vocab_size", "hidden_size", "num_hidden_layers")):
@@ -66,7 +74,9 @@ def make_checkpoint(path: str, config: Qwen3Config) -> float:
     import transformers
 
     t = time.perf_counter()
-    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in want.items() if k not in ("architectures", "model_type")})
+    hf_cfg = transformers.Qwen3Config(
+        **{k: v for k, v in want.items() if k not in ("architectures", "model_type")}
+    )
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(hf_cfg).to(torch.bfloat16)
     model.save_pretrained(path, max_shard_size="500MB", safe_serialization=True)
@@ -88,14 +98,22 @@ def _ours_worker(rank, nproc, port, model_dir, device, out_dir):
     base = rss()
     dist.barrier()
     t = time.perf_counter()
-    model, stats = build_sharded_model(config, mesh, device=device, model_dir=model_dir, progress=False)
+    model, stats = build_sharded_model(
+        config, mesh, device=device, model_dir=model_dir, progress=False
+    )
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t
     dist.barrier()
-    result = dict(rank=rank, seconds=seconds, base=base, peak=peak_rss(), read=stats.bytes_read / GB,
-                  checkpoint=stats.checkpoint_bytes / GB,
-                  shard=sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / GB)
+    result = dict(
+        rank=rank,
+        seconds=seconds,
+        base=base,
+        peak=peak_rss(),
+        read=stats.bytes_read / GB,
+        checkpoint=stats.checkpoint_bytes / GB,
+        shard=sum(p.to_local().numel() * p.element_size() for p in model.parameters()) / GB,
+    )
     with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.destroy_process_group()
@@ -108,8 +126,12 @@ def run_ours(model_dir: str, nproc: int, device: str) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_ours_worker, args=(nproc, port, model_dir, device, out), nprocs=nproc,
-                           start_method="spawn")
+        mp.start_processes(
+            _ours_worker,
+            args=(nproc, port, model_dir, device, out),
+            nprocs=nproc,
+            start_method="spawn",
+        )
         return [json.load(open(os.path.join(out, f"{r}.json"))) for r in range(nproc)]
 
 
@@ -136,11 +158,29 @@ def run_transformers(model_dir: str) -> dict:
 def format_table(ours: list[dict], hf: dict | None, nproc: int, device: str) -> str:
     rows = [("loader", "process", "load s", "peak RSS GB", "base GB", "read GB", "holds GB")]
     for r in ours:
-        rows.append((f"ours ({nproc} procs, {device})", f"rank {r['rank']}", f"{r['seconds']:.2f}",
-                     f"{r['peak']:.2f}", f"{r['base']:.2f}", f"{r['read']:.2f}", f"{r['shard']:.2f}"))
+        rows.append(
+            (
+                f"ours ({nproc} procs, {device})",
+                f"rank {r['rank']}",
+                f"{r['seconds']:.2f}",
+                f"{r['peak']:.2f}",
+                f"{r['base']:.2f}",
+                f"{r['read']:.2f}",
+                f"{r['shard']:.2f}",
+            )
+        )
     if hf is not None:
-        rows.append(("transformers from_pretrained", "1 of 1", f"{hf['seconds']:.2f}", f"{hf['peak']:.2f}",
-                     f"{hf['base']:.2f}", f"{ours[0]['checkpoint']:.2f}", f"{hf['params'] * 4 / GB:.2f}"))
+        rows.append(
+            (
+                "transformers from_pretrained",
+                "1 of 1",
+                f"{hf['seconds']:.2f}",
+                f"{hf['peak']:.2f}",
+                f"{hf['base']:.2f}",
+                f"{ours[0]['checkpoint']:.2f}",
+                f"{hf['params'] * 4 / GB:.2f}",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
@@ -149,7 +189,9 @@ def format_table(ours: list[dict], hf: dict | None, nproc: int, device: str) -> 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", default="/tmp/qwen3-bench-load", help="checkpoint directory (made if missing)")
+    ap.add_argument(
+        "--dir", default="/tmp/qwen3-bench-load", help="checkpoint directory (made if missing)"
+    )
     ap.add_argument("--layers", type=int, default=8, help="decoder layers (8: 1.03B parameters)")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -159,8 +201,10 @@ def main(argv=None) -> None:
     config = bench_config(args.layers)
     made = make_checkpoint(args.dir, config)
     size = sum(f.stat().st_size for f in Path(args.dir).glob("*.safetensors")) / GB
-    print(f"checkpoint {args.dir}: {config.num_params() / 1e9:.2f}B parameters, {size:.2f} GB bf16"
-          + (f" (saved by transformers in {made:.0f} s)" if made else " (reused)"))
+    print(
+        f"checkpoint {args.dir}: {config.num_params() / 1e9:.2f}B parameters, {size:.2f} GB bf16"
+        + (f" (saved by transformers in {made:.0f} s)" if made else " (reused)")
+    )
     ours = run_ours(args.dir, args.nproc, args.device)
     hf = None if args.skip_transformers else run_transformers(args.dir)
     print(format_table(ours, hf, args.nproc, args.device))

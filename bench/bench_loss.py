@@ -36,8 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from loss.chunked_ce import chunked_cross_entropy  # noqa: E402
 
 # ours_R / torch_lce_R: R-row chunks; plain ours uses --chunk-size (default 256, the API default).
-IMPLS = {"cpu": ("ours", "ours_512", "naive", "torch_lce", "torch_lce_256"),
-         "cuda": ("ours", "ours_1024", "naive", "torch_lce", "torch_lce_256")}
+IMPLS = {
+    "cpu": ("ours", "ours_512", "naive", "torch_lce", "torch_lce_256"),
+    "cuda": ("ours", "ours_1024", "naive", "torch_lce", "torch_lce_256"),
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -45,7 +47,7 @@ def make_inputs(n, h, v, dtype, device, seed=0):
     """Seeded hidden [N, H], weight [V, H] (logits of order 1) and labels [N] with 10% ignored."""
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(n, h, generator=gen, device=device, dtype=dtype)
-    weight = torch.randn(v, h, generator=gen, device=device, dtype=dtype).mul_(h ** -0.5)
+    weight = torch.randn(v, h, generator=gen, device=device, dtype=dtype).mul_(h**-0.5)
     labels = torch.randint(0, v, (n,), generator=gen, device=device)
     ignored = torch.rand(n, generator=gen, device=device) < 0.1
     labels[ignored] = -100
@@ -62,6 +64,7 @@ def loss_fn(impl, chunk_size=256):
         return lambda h, w, y: F.cross_entropy((h @ w.T).float(), y)
     if impl.startswith("torch_lce"):
         from torch.nn import LinearCrossEntropyOptions
+
         # Default options: chunk rows and precision policy picked by torch per device/dtype.
         opts = LinearCrossEntropyOptions()
         if impl != "torch_lce":
@@ -83,15 +86,32 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_case(impl, n, h, v, dtype=torch.float32, device="cpu", *, repeats=1, chunk_size=256,
-             seed=0, min_time_s=2.0):
+def run_case(
+    impl,
+    n,
+    h,
+    v,
+    dtype=torch.float32,
+    device="cpu",
+    *,
+    repeats=1,
+    chunk_size=256,
+    seed=0,
+    min_time_s=2.0,
+):
     """One contender on one shape, in this process: {'time_s', 'peak_mem_gb', 'loss', ...}."""
     device = torch.device(device)
     dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     hidden, weight, labels = make_inputs(n, h, v, dtype, device, seed)
     fn = loss_fn(impl, chunk_size)
-    result = {"impl": impl, "N": n, "H": h, "V": v, "dtype": str(dtype).replace("torch.", ""),
-              "device": device.type}
+    result = {
+        "impl": impl,
+        "N": n,
+        "H": h,
+        "V": v,
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": device.type,
+    }
 
     def step():
         hidden.grad = weight.grad = None
@@ -126,27 +146,54 @@ def run_case(impl, n, h, v, dtype=torch.float32, device="cpu", *, repeats=1, chu
         wall, cpu = min(times)
         if impl.startswith("ours") and dtype in (torch.bfloat16, torch.float16):
             from loss.chunked_ce import _fused_ops  # which product path ran (see chunked_ce)
+
             result["fused_mm"], result["fused_addmm"] = _fused_ops(device)
-        result.update(time_s=wall, cpu_s=cpu, peak_mem_gb=peak / 1e9, loss=loss.item(),
-                      grad_norm_h=hidden.grad.float().norm().item(),
-                      grad_norm_w=weight.grad.float().norm().item())
+        result.update(
+            time_s=wall,
+            cpu_s=cpu,
+            peak_mem_gb=peak / 1e9,
+            loss=loss.item(),
+            grad_norm_h=hidden.grad.float().norm().item(),
+            grad_norm_w=weight.grad.float().norm().item(),
+        )
     except torch.OutOfMemoryError:
         result.update(error="OOM")
     return result
 
 
-def run_isolated(impl, n, h, v, dtype="float32", device="cpu", *, repeats=1, chunk_size=256,
-                 timeout=3600):
+def run_isolated(
+    impl, n, h, v, dtype="float32", device="cpu", *, repeats=1, chunk_size=256, timeout=3600
+):
     """run_case in a fresh Python process, so no contender sees another's allocator state."""
     dtype = str(dtype).replace("torch.", "")
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", impl, str(n), str(h), str(v),
-           dtype, device, "--repeats", str(repeats), "--chunk-size", str(chunk_size)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        impl,
+        str(n),
+        str(h),
+        str(v),
+        dtype,
+        device,
+        "--repeats",
+        str(repeats),
+        "--chunk-size",
+        str(chunk_size),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
         killed = proc.returncode in (-9, 137)  # the kernel's OOM killer
-        return {"impl": impl, "N": n, "H": h, "V": v, "dtype": dtype, "device": device,
-                "error": "killed (host OOM?)" if killed else " ".join(tail)[:120]}
+        return {
+            "impl": impl,
+            "N": n,
+            "H": h,
+            "V": v,
+            "dtype": dtype,
+            "device": device,
+            "error": "killed (host OOM?)" if killed else " ".join(tail)[:120],
+        }
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -181,8 +228,10 @@ def print_table(rows):
         base = next((b for b in ("naive", "torch_lce") if b in ok), None)
         print(f"\nN={shape[0]} H={shape[1]} V={shape[2]} {shape[3]} on {group[0]['device']}")
         tag = f"/{base}" if base else "/-"
-        print(f"{'impl':<15}{'time s':>9}{'cpu s':>8}{'peak GB':>9}{'time' + tag:>16}"
-              f"{'cpu' + tag:>15}{'mem' + tag:>15}{'loss':>9}")
+        print(
+            f"{'impl':<15}{'time s':>9}{'cpu s':>8}{'peak GB':>9}{'time' + tag:>16}"
+            f"{'cpu' + tag:>15}{'mem' + tag:>15}{'loss':>9}"
+        )
         for r in group:
             if "error" in r:
                 print(f"{r['impl']:<15}  {r['error']}")
@@ -190,8 +239,10 @@ def print_table(rows):
             ratios = ["-"] * 3
             if base:
                 ratios = [f"{r[k] / ok[base][k]:.2f}" for k in ("time_s", "cpu_s", "peak_mem_gb")]
-            print(f"{r['impl']:<15}{r['time_s']:>9.3f}{r['cpu_s']:>8.3f}{r['peak_mem_gb']:>9.3f}"
-                  f"{ratios[0]:>16}{ratios[1]:>15}{ratios[2]:>15}{r['loss']:>9.4f}")
+            print(
+                f"{r['impl']:<15}{r['time_s']:>9.3f}{r['cpu_s']:>8.3f}{r['peak_mem_gb']:>9.3f}"
+                f"{ratios[0]:>16}{ratios[1]:>15}{ratios[2]:>15}{r['loss']:>9.4f}"
+            )
 
 
 def main():
@@ -199,20 +250,33 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--impls", default=None, help="comma-separated (default: all for the device)")
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per process")
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="fresh processes per contender, taken in turn; best time is kept "
-                         "(contenders over 3x naive run once)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="fresh processes per contender, taken in turn; best time is kept "
+        "(contenders over 3x naive run once)",
+    )
     ap.add_argument("--chunk-size", type=int, default=256, help="rows per chunk for 'ours'")
-    ap.add_argument("--shapes", default=None,
-                    help="N,H,V;N,H,V... (default: the issue's shapes for the device)")
+    ap.add_argument(
+        "--shapes", default=None, help="N,H,V;N,H,V... (default: the issue's shapes for the device)"
+    )
     ap.add_argument("--json", default=None, help="also write all results to this file")
     ap.add_argument("--worker", nargs=6, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:
         impl, n, h, v, dtype, device = args.worker
-        res = run_case(impl, int(n), int(h), int(v), dtype, device, repeats=args.repeats,
-                       chunk_size=args.chunk_size)
+        res = run_case(
+            impl,
+            int(n),
+            int(h),
+            int(v),
+            dtype,
+            device,
+            repeats=args.repeats,
+            chunk_size=args.chunk_size,
+        )
         print(json.dumps(res))
         return
 
@@ -225,11 +289,17 @@ def main():
     if args.shapes:
         shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";")]
     impls = args.impls.split(",") if args.impls else IMPLS[args.device]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}; best of {args.rounds} round(s) x "
-          f"{args.repeats} timed run(s), each after one untimed run; peak memory: "
-          + ("torch.cuda.max_memory_allocated rise" if args.device == "cuda"
-             else "peak RSS (VmHWM) rise during the untimed run"), flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}; best of {args.rounds} round(s) x "
+        f"{args.repeats} timed run(s), each after one untimed run; peak memory: "
+        + (
+            "torch.cuda.max_memory_allocated rise"
+            if args.device == "cuda"
+            else "peak RSS (VmHWM) rise during the untimed run"
+        ),
+        flush=True,
+    )
     rows = []
     for n, h, v in shapes:
         runs = {impl: [] for impl in impls}
@@ -237,8 +307,18 @@ def main():
             for impl in impls:
                 if rnd and _clearly_slow(runs[impl], runs.get("naive")):
                     continue
-                runs[impl].append(run_isolated(impl, n, h, v, dtype, args.device,
-                                               repeats=args.repeats, chunk_size=args.chunk_size))
+                runs[impl].append(
+                    run_isolated(
+                        impl,
+                        n,
+                        h,
+                        v,
+                        dtype,
+                        args.device,
+                        repeats=args.repeats,
+                        chunk_size=args.chunk_size,
+                    )
+                )
                 print(json.dumps(runs[impl][-1]), flush=True)
         rows += [_best(runs[impl]) for impl in impls]
     print_table(rows)

@@ -24,11 +24,24 @@ from model.qwen3 import Qwen3  # noqa: E402
 def run(device="cpu", dtype=torch.float32, seq_len=1024, batch=1, repeats=5, layers=4) -> dict:
     import transformers
 
-    cfg = Qwen3Config(vocab_size=8192, hidden_size=256, intermediate_size=768, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                      bos_token_id=None, eos_token_id=None)
-    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf().items()
-                                         if k not in ("architectures", "model_type", "torch_dtype")})
+    cfg = Qwen3Config(
+        vocab_size=8192,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    hf_cfg = transformers.Qwen3Config(
+        **{
+            k: v
+            for k, v in cfg.to_hf().items()
+            if k not in ("architectures", "model_type", "torch_dtype")
+        }
+    )
     hf_cfg._attn_implementation = "sdpa"  # the fastest transformers path on CPU and GPU alike
     torch.manual_seed(0)
     theirs = transformers.Qwen3ForCausalLM(hf_cfg).to(device=device, dtype=dtype).train()
@@ -54,20 +67,31 @@ def run(device="cpu", dtype=torch.float32, seq_len=1024, batch=1, repeats=5, lay
             if i:  # the first round is warm-up
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"device": device, "dtype": str(dtype), "seq_len": seq_len, "layers": layers,
-            "ours_s": med["ours"], "transformers_s": med["transformers"], "ratio": med["ours"] / med["transformers"]}
+    return {
+        "device": device,
+        "dtype": str(dtype),
+        "seq_len": seq_len,
+        "layers": layers,
+        "ours_s": med["ours"],
+        "transformers_s": med["transformers"],
+        "ratio": med["ours"] / med["transformers"],
+    }
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args()
     r = run(a.device, getattr(torch, a.dtype), a.seq_len, repeats=a.repeats)
-    print(f"{r['device']} {r['dtype']} T={r['seq_len']} layers={r['layers']}: ours {r['ours_s'] * 1e3:.1f} ms, "
-          f"transformers {r['transformers_s'] * 1e3:.1f} ms, ours / theirs = {r['ratio']:.3f}")
+    print(
+        f"{r['device']} {r['dtype']} T={r['seq_len']} layers={r['layers']}: ours {r['ours_s'] * 1e3:.1f} ms, "
+        f"transformers {r['transformers_s'] * 1e3:.1f} ms, ours / theirs = {r['ratio']:.3f}"
+    )
 
 
 if __name__ == "__main__":

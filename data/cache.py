@@ -29,7 +29,8 @@ import json
 import logging
 import os
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,7 @@ def sha256_of(array: np.ndarray, chunk: int = 1 << 24) -> str:
     flat = array.reshape(-1)
     h = hashlib.sha256()
     for start in range(0, flat.size, chunk):
-        h.update(np.ascontiguousarray(flat[start:start + chunk]).data)
+        h.update(np.ascontiguousarray(flat[start : start + chunk]).data)
     return h.hexdigest()
 
 
@@ -127,9 +128,18 @@ class CacheEntry:
         try:
             yield out
             out.flush()
-            meta = {**self.key, **info, "num_rows": shape[0], "shape": list(shape),
-                    "dtype": np.dtype(DTYPE).name, "nbytes": int(out.nbytes), "sha256": sha256_of(out),
-                    "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            meta = {
+                **self.key,
+                **info,
+                "num_rows": shape[0],
+                "shape": list(shape),
+                "dtype": np.dtype(DTYPE).name,
+                "nbytes": int(out.nbytes),
+                "sha256": sha256_of(out),
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                    timespec="seconds"
+                ),
+            }
             del out
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())

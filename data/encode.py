@@ -18,14 +18,23 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
 # Files whose bytes decide what a tokenizer directory does; hashing them needs no loading.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+)
 MAX_BATCH_CHARS = 16 << 20  # ~4M tokens per batch: the ids come back as Python lists first
 MAX_BATCH_DOCS = 1024
 
@@ -38,7 +47,8 @@ class NotEnoughText(ValueError):
         rows = f"{shape[0]} rows of {shape[1]} tokens" if len(shape) == 2 else "the array"
         super().__init__(
             f"{what}: {documents} documents gave {tokens:,} tokens (end-of-text tokens included), "
-            f"but {rows} need {self.needed:,}; use fewer rows, a shorter seq_len, or more text")
+            f"but {rows} need {self.needed:,}; use fewer rows, a shorter seq_len, or more text"
+        )
 
 
 def load_tokenizer(path_or_obj: Any):
@@ -61,8 +71,10 @@ def fingerprint(path_or_obj: Any) -> str:
     if isinstance(path_or_obj, (str, os.PathLike)) and os.path.isdir(path_or_obj):
         found = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path_or_obj, n))]
         if not found:
-            raise FileNotFoundError(f"{path_or_obj} holds none of {', '.join(TOKENIZER_FILES)}: "
-                                    f"pass the model directory that has the tokenizer")
+            raise FileNotFoundError(
+                f"{path_or_obj} holds none of {', '.join(TOKENIZER_FILES)}: "
+                f"pass the model directory that has the tokenizer"
+            )
         for name in found:
             with open(os.path.join(path_or_obj, name), "rb") as f:
                 h.update(name.encode() + b"\0" + hashlib.sha256(f.read()).digest())
@@ -79,7 +91,8 @@ def eos_id(tok: Any, eos_token: str | None = None) -> int:
     if name is None:
         raise ValueError(
             f"tokenizer {getattr(tok, 'name_or_path', tok)!r} has no eos_token to put between books; "
-            f"set eos_token in its tokenizer_config.json or pass eos_token='<|endoftext|>' (Qwen3)")
+            f"set eos_token in its tokenizer_config.json or pass eos_token='<|endoftext|>' (Qwen3)"
+        )
     ids = tok.convert_tokens_to_ids([name])
     if not ids or ids[0] is None or ids[0] == tok.unk_token_id:
         raise ValueError(f"eos token {name!r} is not in the tokenizer's vocabulary")
@@ -89,8 +102,10 @@ def eos_id(tok: Any, eos_token: str | None = None) -> int:
 def _backend(tok: Any):
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
-        raise TypeError(f"{type(tok).__name__} is not a fast tokenizer (no tokenizer.json backend); "
-                        f"this code encodes with the Rust tokenizers library: save a fast tokenizer")
+        raise TypeError(
+            f"{type(tok).__name__} is not a fast tokenizer (no tokenizer.json backend); "
+            f"this code encodes with the Rust tokenizers library: save a fast tokenizer"
+        )
     return backend
 
 
@@ -145,8 +160,15 @@ def _prefetch(items: Iterable[str], depth: int = 64) -> Iterator[str]:
         stop.set()
 
 
-def pack_documents(texts: Iterable[str], encoder, eos: int, out: np.ndarray, *,
-                   progress: bool = True, desc: str = "text") -> dict[str, Any]:
+def pack_documents(
+    texts: Iterable[str],
+    encoder,
+    eos: int,
+    out: np.ndarray,
+    *,
+    progress: bool = True,
+    desc: str = "text",
+) -> dict[str, Any]:
     """Fill `out` (any shape, uint32) with book, eos, book, eos, ... and stop when it is full.
 
     A book that does not fit carries over into the next row. Raises NotEnoughText if the texts
@@ -157,7 +179,9 @@ def pack_documents(texts: Iterable[str], encoder, eos: int, out: np.ndarray, *,
     need, pos, docs, chars = flat.size, 0, 0, 0
     eos_arr = np.array([eos], dtype=np.uint32)
     docs_iter = _prefetch(texts)
-    bar = tqdm(total=need, unit="tok", unit_scale=True, desc=desc, disable=not progress, smoothing=0.1)
+    bar = tqdm(
+        total=need, unit="tok", unit_scale=True, desc=desc, disable=not progress, smoothing=0.1
+    )
     t0 = time.perf_counter()
     try:
         while pos < need:
@@ -177,7 +201,7 @@ def pack_documents(texts: Iterable[str], encoder, eos: int, out: np.ndarray, *,
                 docs += 1
                 for piece in (ids, eos_arr):
                     take = min(piece.size, need - pos)
-                    flat[pos:pos + take] = piece[:take]
+                    flat[pos : pos + take] = piece[:take]
                     pos += take
                     bar.update(take)
                 if pos == need:
@@ -189,5 +213,8 @@ def pack_documents(texts: Iterable[str], encoder, eos: int, out: np.ndarray, *,
     if pos < need:
         raise NotEnoughText(pos, out.shape, docs, desc)
     seconds = time.perf_counter() - t0
-    return {"documents": docs, "build_seconds": round(seconds, 3),
-            "tokens_per_second": round(need / max(seconds, 1e-9))}
+    return {
+        "documents": docs,
+        "build_seconds": round(seconds, 3),
+        "tokens_per_second": round(need / max(seconds, 1e-9)),
+    }

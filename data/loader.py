@@ -30,8 +30,15 @@ def _as_long(x: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(x, dtype=np.int64))  # a copy: memmaps are read-only
 
 
-def shard_row(row: Any, sp_rank: int, sp_size: int, ignore_index: int = -100, *, pad_id: int = 0,
-              predictable: Any = None) -> dict[str, torch.Tensor]:
+def shard_row(
+    row: Any,
+    sp_rank: int,
+    sp_size: int,
+    ignore_index: int = -100,
+    *,
+    pad_id: int = 0,
+    predictable: Any = None,
+) -> dict[str, torch.Tensor]:
     """sp rank `sp_rank`'s share of one row of T + 1 tokens: input_ids, labels, position_ids [1, ceil(T/sp)].
 
     `predictable` (bool [T], over the labels) adds a "predictable" mask sharded the same way.
@@ -49,9 +56,12 @@ def shard_row(row: Any, sp_rank: int, sp_size: int, ignore_index: int = -100, *,
     input_ids = torch.full((per,), pad_id, dtype=torch.long)
     labels = torch.full((per,), ignore_index, dtype=torch.long)
     input_ids[:n] = _as_long(row[lo:hi])
-    labels[:n] = _as_long(row[lo + 1:hi + 1])
-    out = {"input_ids": input_ids.view(1, per), "labels": labels.view(1, per),
-           "position_ids": torch.arange(lo, lo + per, dtype=torch.long).view(1, per)}
+    labels[:n] = _as_long(row[lo + 1 : hi + 1])
+    out = {
+        "input_ids": input_ids.view(1, per),
+        "labels": labels.view(1, per),
+        "position_ids": torch.arange(lo, lo + per, dtype=torch.long).view(1, per),
+    }
     if predictable is not None:
         mask = torch.zeros(per, dtype=torch.bool)
         mask[:n] = torch.from_numpy(np.array(predictable[lo:hi], dtype=bool))
@@ -66,18 +76,34 @@ class RowLoader:
     predictable(i) returning a mask, batches carry "predictable" too.
     """
 
-    def __init__(self, rows: Any, dp_rank: int = 0, dp_size: int = 1, sp_rank: int = 0, sp_size: int = 1,
-                 start_row: int = 0, *, ignore_index: int = -100, pad_id: int = 0,
-                 device: torch.device | str | None = None):
+    def __init__(
+        self,
+        rows: Any,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        sp_rank: int = 0,
+        sp_size: int = 1,
+        start_row: int = 0,
+        *,
+        ignore_index: int = -100,
+        pad_id: int = 0,
+        device: torch.device | str | None = None,
+    ):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, {dp_size}), got {dp_rank}")
         if not 0 <= sp_rank < sp_size:
             raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")
-        self.rows, self.dp_rank, self.dp_size, self.sp_rank, self.sp_size = rows, dp_rank, dp_size, sp_rank, sp_size
+        self.rows, self.dp_rank, self.dp_size, self.sp_rank, self.sp_size = (
+            rows,
+            dp_rank,
+            dp_size,
+            sp_rank,
+            sp_size,
+        )
         self.ignore_index, self.pad_id, self.device = ignore_index, pad_id, device
         self.next_row = int(start_row)  # global: the row dp rank 0 reads at the next step
 
-    def __iter__(self) -> "RowLoader":
+    def __iter__(self) -> RowLoader:
         return self
 
     def __len__(self) -> int:
@@ -89,8 +115,14 @@ class RowLoader:
             raise StopIteration
         i = self.next_row + self.dp_rank
         mask_of = getattr(self.rows, "predictable", None)
-        batch = shard_row(self.rows[i], self.sp_rank, self.sp_size, self.ignore_index, pad_id=self.pad_id,
-                          predictable=mask_of(i) if mask_of else None)
+        batch = shard_row(
+            self.rows[i],
+            self.sp_rank,
+            self.sp_size,
+            self.ignore_index,
+            pad_id=self.pad_id,
+            predictable=mask_of(i) if mask_of else None,
+        )
         self.next_row += self.dp_size
         if self.device is not None:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}

@@ -39,10 +39,18 @@ log = logging.getLogger(__name__)
 class Rows:
     """Rows of token ids: rows[i] is row i, a 1-D array of seq_len + 1 ids; `tokens` is the 2-D array."""
 
-    def __init__(self, tokens: np.ndarray, *, meta: dict[str, Any] | None = None,
-                 path: str | None = None, built: bool = False):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        *,
+        meta: dict[str, Any] | None = None,
+        path: str | None = None,
+        built: bool = False,
+    ):
         if tokens.ndim != 2 or tokens.shape[1] < 2:
-            raise ValueError(f"rows must be a 2-D array [num_rows, seq_len + 1], got shape {tokens.shape}")
+            raise ValueError(
+                f"rows must be a 2-D array [num_rows, seq_len + 1], got shape {tokens.shape}"
+            )
         self.tokens, self.meta, self.path, self.built = tokens, meta or {}, path, built
 
     @property
@@ -70,10 +78,21 @@ class Rows:
         return f"Rows({len(self)} x {self.seq_len + 1}, {self.tokens.dtype}, path={self.path!r})"
 
 
-def build_rows(source: str, tokenizer: Any, seq_len: int, num_rows: int, *, cache_dir: str | None = None,
-               seed: int = 0, vocab_size: int | None = None, eos_token: str | None = None,
-               text_column: str = "text", shuffle_buffer: int = 100, progress: bool = True,
-               verify: bool = False) -> Rows | CopyRows:
+def build_rows(
+    source: str,
+    tokenizer: Any,
+    seq_len: int,
+    num_rows: int,
+    *,
+    cache_dir: str | None = None,
+    seed: int = 0,
+    vocab_size: int | None = None,
+    eos_token: str | None = None,
+    text_column: str = "text",
+    shuffle_buffer: int = 100,
+    progress: bool = True,
+    verify: bool = False,
+) -> Rows | CopyRows:
     """num_rows rows of seq_len + 1 tokens from `source`; see the module docstring.
 
     tokenizer: a model directory (or hub id) or a transformers fast tokenizer. eos_token overrides
@@ -90,21 +109,40 @@ def build_rows(source: str, tokenizer: Any, seq_len: int, num_rows: int, *, cach
             if tokenizer is None:
                 raise ValueError(f"{source} needs vocab_size= (or a tokenizer to take it from)")
             vocab_size = encode.load_tokenizer(tokenizer).vocab_size  # without added special tokens
-        return CopyRows(seq_len, num_rows, int(vocab_size), seed=seed,
-                        mode="spans" if source == "synthetic:copy" else "repeat")
+        return CopyRows(
+            seq_len,
+            num_rows,
+            int(vocab_size),
+            seed=seed,
+            mode="spans" if source == "synthetic:copy" else "repeat",
+        )
     if source.startswith("synthetic:"):
-        raise ValueError(f"unknown synthetic source {source!r}; the ones there are: 'synthetic:copy', 'synthetic:repeat'")
+        raise ValueError(
+            f"unknown synthetic source {source!r}; the ones there are: 'synthetic:copy', 'synthetic:repeat'"
+        )
     if source.startswith("tokens:"):
-        return _token_file_rows(source[len("tokens:"):], seq_len, num_rows, vocab_size)
+        return _token_file_rows(source[len("tokens:") :], seq_len, num_rows, vocab_size)
     if cache_dir is None:
-        raise ValueError(f"source {source!r} is tokenised into a cache: pass cache_dir= (a local directory)")
+        raise ValueError(
+            f"source {source!r} is tokenised into a cache: pass cache_dir= (a local directory)"
+        )
     if tokenizer is None:
-        raise ValueError(f"source {source!r} is text: pass the model's tokenizer (its directory or object)")
+        raise ValueError(
+            f"source {source!r} is text: pass the model's tokenizer (its directory or object)"
+        )
 
-    key = {"source": sources.describe(source, text_column, shuffle_buffer),
-           "tokenizer": encode.fingerprint(tokenizer), "eos_token": eos_token,
-           "seq_len": seq_len, "seed": seed}
-    name = source.replace("hf:", "") if sources.is_hub_source(source) else os.path.basename(source.rstrip("/"))
+    key = {
+        "source": sources.describe(source, text_column, shuffle_buffer),
+        "tokenizer": encode.fingerprint(tokenizer),
+        "eos_token": eos_token,
+        "seq_len": seq_len,
+        "seed": seed,
+    }
+    name = (
+        source.replace("hf:", "")
+        if sources.is_hub_source(source)
+        else os.path.basename(source.rstrip("/"))
+    )
     entry = CacheEntry(cache_dir, f"{name}-L{seq_len}-seed{seed}", key)
     with entry.locked():
         tokens = entry.load(num_rows, verify=verify)
@@ -112,17 +150,34 @@ def build_rows(source: str, tokenizer: Any, seq_len: int, num_rows: int, *, cach
         if built:
             tok = encode.load_tokenizer(tokenizer)
             eos = encode.eos_id(tok, eos_token)
-            texts = sources.iter_documents(source, seed, text_column=text_column, shuffle_buffer=shuffle_buffer,
-                                           hf_cache_dir=os.path.join(cache_dir, "hf_datasets"))
+            texts = sources.iter_documents(
+                source,
+                seed,
+                text_column=text_column,
+                shuffle_buffer=shuffle_buffer,
+                hf_cache_dir=os.path.join(cache_dir, "hf_datasets"),
+            )
             info: dict[str, Any] = {"eos_id": eos, "source_string": source}
             with entry.writer((num_rows, seq_len + 1), info) as out:
-                info.update(encode.pack_documents(texts, encode.encoder_for(tok), eos, out,
-                                                  progress=progress, desc=source))
-            log.info("tokenised %s: %d rows of %d tokens from %d documents in %.1f s -> %s", source,
-                     num_rows, seq_len + 1, info["documents"], info["build_seconds"], entry.npy)
+                info.update(
+                    encode.pack_documents(
+                        texts, encode.encoder_for(tok), eos, out, progress=progress, desc=source
+                    )
+                )
+            log.info(
+                "tokenised %s: %d rows of %d tokens from %d documents in %.1f s -> %s",
+                source,
+                num_rows,
+                seq_len + 1,
+                info["documents"],
+                info["build_seconds"],
+                entry.npy,
+            )
             tokens = entry.load(num_rows)
             if tokens is None:
-                raise RuntimeError(f"the cache just written to {entry.npy} does not read back; is the disk full?")
+                raise RuntimeError(
+                    f"the cache just written to {entry.npy} does not read back; is the disk full?"
+                )
     return Rows(tokens, meta=entry.read_meta(), path=entry.npy, built=built)
 
 
@@ -140,15 +195,19 @@ def _token_file_rows(path: str, seq_len: int, num_rows: int, vocab_size: int | N
         rows = arr
     else:
         flat = arr.reshape(-1)
-        rows = flat[:flat.size // n * n].reshape(-1, n)
+        rows = flat[: flat.size // n * n].reshape(-1, n)
     if len(rows) < num_rows:
-        raise ValueError(f"tokens:{path} holds {arr.size:,} tokens ({len(rows)} rows of {n}), but "
-                         f"{num_rows} rows need {num_rows * n:,}; use fewer rows or a shorter seq_len")
+        raise ValueError(
+            f"tokens:{path} holds {arr.size:,} tokens ({len(rows)} rows of {n}), but "
+            f"{num_rows} rows need {num_rows * n:,}; use fewer rows or a shorter seq_len"
+        )
     if vocab_size is not None:
         used = rows[:num_rows]
         lo, hi = int(used.min()), int(used.max())
         if lo < 0 or hi >= vocab_size:
-            raise ValueError(f"tokens:{path} holds token id {lo if lo < 0 else hi}, outside the model's vocabulary "
-                             f"[0, {vocab_size:,}); re-tokenise it with the model's tokenizer")
+            raise ValueError(
+                f"tokens:{path} holds token id {lo if lo < 0 else hi}, outside the model's vocabulary "
+                f"[0, {vocab_size:,}); re-tokenise it with the model's tokenizer"
+            )
     meta = {"source": f"tokens:{os.path.abspath(path)}", "seq_len": seq_len, "num_rows": num_rows}
     return Rows(rows[:num_rows], meta=meta, path=path, built=False)

@@ -19,11 +19,14 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
-PG19_HUB_ID = "emozilla/pg19"  # PG-19 as parquet; deepmind/pg19 needs a loading script datasets 4 refuses
+PG19_HUB_ID = (
+    "emozilla/pg19"  # PG-19 as parquet; deepmind/pg19 needs a loading script datasets 4 refuses
+)
 LOCAL_FORMATS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -46,20 +49,28 @@ def local_files(path: str) -> tuple[list[str], str]:
         if not files:
             raise FileNotFoundError(f"no file matches {path!r}")
     elif os.path.isdir(path):
-        files = sorted(f for f in glob.glob(os.path.join(path, "*"))
-                       if os.path.splitext(f)[1] in LOCAL_FORMATS and os.path.isfile(f))
+        files = sorted(
+            f
+            for f in glob.glob(os.path.join(path, "*"))
+            if os.path.splitext(f)[1] in LOCAL_FORMATS and os.path.isfile(f)
+        )
         if not files:
-            raise FileNotFoundError(f"{path} holds no .txt, .jsonl or .parquet files: nothing to read")
+            raise FileNotFoundError(
+                f"{path} holds no .txt, .jsonl or .parquet files: nothing to read"
+            )
     elif os.path.isfile(path):
         files = [path]
     else:
         raise FileNotFoundError(
             f"source {path!r} is not a file, a directory, 'pg19', 'hf:owner/name', "
-            f"'tokens:FILE.npy' or 'synthetic:copy'")
+            f"'tokens:FILE.npy' or 'synthetic:copy'"
+        )
     builders = {LOCAL_FORMATS.get(os.path.splitext(f)[1]) for f in files}
     if len(builders) != 1 or None in builders:
-        raise ValueError(f"{path}: mixed or unknown file types {sorted(map(str, builders))}; "
-                         f"use one of .txt, .jsonl or .parquet per source")
+        raise ValueError(
+            f"{path}: mixed or unknown file types {sorted(map(str, builders))}; "
+            f"use one of .txt, .jsonl or .parquet per source"
+        )
     return files, builders.pop()
 
 
@@ -67,42 +78,70 @@ def describe(source: str, text_column: str = "text", shuffle_buffer: int = 100) 
     """What identifies the source's content, for the cache key; cheap (no file is read)."""
     if is_hub_source(source):
         repo, split = _hub_id_and_split(source)
-        return {"hub": repo, "split": split, "text_column": text_column, "shuffle_buffer": shuffle_buffer}
+        return {
+            "hub": repo,
+            "split": split,
+            "text_column": text_column,
+            "shuffle_buffer": shuffle_buffer,
+        }
     files, _ = local_files(source)
     # Names, sizes and modification times: an edited corpus gets a new cache without reading it.
     h = hashlib.sha256()
     for f in files:
         st = os.stat(f)
         h.update(f"{os.path.abspath(f)}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return {"path": os.path.abspath(source), "files": len(files), "files_sha256": h.hexdigest(),
-            "text_column": text_column}
+    return {
+        "path": os.path.abspath(source),
+        "files": len(files),
+        "files_sha256": h.hexdigest(),
+        "text_column": text_column,
+    }
 
 
-def iter_documents(source: str, seed: int, *, text_column: str = "text", shuffle_buffer: int = 100,
-                   hf_cache_dir: str | None = None) -> Iterator[str]:
+def iter_documents(
+    source: str,
+    seed: int,
+    *,
+    text_column: str = "text",
+    shuffle_buffer: int = 100,
+    hf_cache_dir: str | None = None,
+) -> Iterator[str]:
     """Document texts in the seeded order described at the top of this file."""
     texts = (_iter_hub if is_hub_source(source) else _iter_local)(
-        source, seed, text_column=text_column, shuffle_buffer=shuffle_buffer, hf_cache_dir=hf_cache_dir)
+        source,
+        seed,
+        text_column=text_column,
+        shuffle_buffer=shuffle_buffer,
+        hf_cache_dir=hf_cache_dir,
+    )
     return (t for t in texts if t)
 
 
-def _iter_local(path: str, seed: int, *, text_column: str, hf_cache_dir: str | None, **_) -> Iterator[str]:
+def _iter_local(
+    path: str, seed: int, *, text_column: str, hf_cache_dir: str | None, **_
+) -> Iterator[str]:
     import datasets
 
     files, builder = local_files(path)
     kwargs = {"sample_by": "document", "keep_linebreaks": True} if builder == "text" else {}
-    ds = datasets.load_dataset(builder, data_files=files, split="train", cache_dir=hf_cache_dir, **kwargs)
+    ds = datasets.load_dataset(
+        builder, data_files=files, split="train", cache_dir=hf_cache_dir, **kwargs
+    )
     if builder == "text":
         text_column = "text"  # the text builder names its only column "text"
     if text_column not in ds.column_names:
-        raise ValueError(f"{path} has no {text_column!r} column (it has {ds.column_names}); "
-                         f"pass text_column= with the right name")
+        raise ValueError(
+            f"{path} has no {text_column!r} column (it has {ds.column_names}); "
+            f"pass text_column= with the right name"
+        )
     order = np.random.default_rng(seed).permutation(len(ds))
     for batch in ds.select_columns([text_column]).select(order).iter(batch_size=64):
         yield from batch[text_column]
 
 
-def _iter_hub(source: str, seed: int, *, text_column: str, shuffle_buffer: int, **_) -> Iterator[str]:
+def _iter_hub(
+    source: str, seed: int, *, text_column: str, shuffle_buffer: int, **_
+) -> Iterator[str]:
     import datasets
 
     repo, split = _hub_id_and_split(source)
@@ -116,10 +155,13 @@ def _iter_hub(source: str, seed: int, *, text_column: str, shuffle_buffer: int, 
             f"could not stream {repo} (split {split!r}) from the Hugging Face hub: {e}\n"
             f"Offline or behind a firewall? Download its parquet files on a machine with internet "
             f"(huggingface-cli download {repo} --repo-type dataset --local-dir DIR) and pass "
-            f"'DIR/data/{split}-*.parquet' as the source instead of {source!r}.") from e
+            f"'DIR/data/{split}-*.parquet' as the source instead of {source!r}."
+        ) from e
     if text_column not in first:
-        raise ValueError(f"{repo} has no {text_column!r} column (it has {list(first)}); "
-                         f"pass text_column= with the right name")
+        raise ValueError(
+            f"{repo} has no {text_column!r} column (it has {list(first)}); "
+            f"pass text_column= with the right name"
+        )
     yield first[text_column]
     for example in it:
         yield example[text_column]

@@ -31,15 +31,29 @@ import numpy as np
 class CopyRows:
     """num_rows rows of seq_len + 1 tokens in [0, vocab_size); see the module docstring."""
 
-    def __init__(self, seq_len: int, num_rows: int, vocab_size: int, seed: int = 0,
-                 span_len: int | None = None, mode: str = "spans"):
+    def __init__(
+        self,
+        seq_len: int,
+        num_rows: int,
+        vocab_size: int,
+        seed: int = 0,
+        span_len: int | None = None,
+        mode: str = "spans",
+    ):
         if mode not in ("spans", "repeat"):
             raise ValueError(f"CopyRows mode must be 'spans' or 'repeat', got {mode!r}")
         self.mode = mode
         if seq_len < 16 or num_rows < 1 or vocab_size < 2:
-            raise ValueError(f"CopyRows needs seq_len >= 16, num_rows >= 1 and vocab_size >= 2; "
-                             f"got {seq_len}, {num_rows}, {vocab_size}")
-        self.seq_len, self.num_rows, self.vocab_size, self.seed = seq_len, num_rows, vocab_size, seed
+            raise ValueError(
+                f"CopyRows needs seq_len >= 16, num_rows >= 1 and vocab_size >= 2; "
+                f"got {seq_len}, {num_rows}, {vocab_size}"
+            )
+        self.seq_len, self.num_rows, self.vocab_size, self.seed = (
+            seq_len,
+            num_rows,
+            vocab_size,
+            seed,
+        )
         self.half = (seq_len + 1) // 2
         self.span_len = min(span_len or max(16, seq_len // 32), self.half)
         # Tokens needed before a span is (with high probability) unique among `half` random ones,
@@ -48,11 +62,19 @@ class CopyRows:
         if mode == "repeat":
             self.span_len, self.context = self.half, 0
         if self.context >= self.span_len:
-            raise ValueError(f"spans of {self.span_len} tokens cannot be located in {self.half} random "
-                             f"tokens from a vocabulary of {vocab_size}: use a larger vocab_size or span_len")
-        self.meta = {"source": "synthetic:copy" if mode == "spans" else "synthetic:repeat", "seq_len": seq_len, "num_rows": num_rows,
-                     "vocab_size": vocab_size, "seed": seed, "span_len": self.span_len,
-                     "context": self.context}
+            raise ValueError(
+                f"spans of {self.span_len} tokens cannot be located in {self.half} random "
+                f"tokens from a vocabulary of {vocab_size}: use a larger vocab_size or span_len"
+            )
+        self.meta = {
+            "source": "synthetic:copy" if mode == "spans" else "synthetic:repeat",
+            "seq_len": seq_len,
+            "num_rows": num_rows,
+            "vocab_size": vocab_size,
+            "seed": seed,
+            "span_len": self.span_len,
+            "context": self.context,
+        }
         # The same positions are predictable in every row: spans start at fixed places.
         p = np.arange(1, seq_len + 1)  # row position of each label
         self._mask = (p >= self.half) & ((p - self.half) % self.span_len >= self.context)
@@ -72,13 +94,13 @@ class CopyRows:
         rng = np.random.default_rng([self.seed, i])
         n = self.seq_len + 1
         row = np.empty(n, dtype=np.uint32)
-        row[:self.half] = rng.integers(0, self.vocab_size, size=self.half, dtype=np.uint32)
+        row[: self.half] = rng.integers(0, self.vocab_size, size=self.half, dtype=np.uint32)
         rest = n - self.half
         starts = rng.integers(0, self.half - self.span_len + 1, size=-(-rest // self.span_len))
         if self.mode == "repeat":
             starts[:] = 0  # the first half again, in order
         src = (starts[:, None] + np.arange(self.span_len)).reshape(-1)[:rest]
-        row[self.half:] = row[src]
+        row[self.half :] = row[src]
         return row
 
     def predictable(self, i: int) -> np.ndarray:

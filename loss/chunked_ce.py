@@ -30,14 +30,19 @@ def _fused_ops(device):
     """Whether torch.mm and an in-place torch.addmm take bf16 operands with an fp32 output here
     (CUDA does; CPU does not). Checked once per device type, on sums that bf16 cannot hold."""
     if device.type not in _FUSED:
-        a = torch.tensor([[1.0, 2.0 ** -8]], dtype=torch.bfloat16, device=device)  # [1, 2]
+        a = torch.tensor([[1.0, 2.0**-8]], dtype=torch.bfloat16, device=device)  # [1, 2]
         b = torch.ones(2, 1, dtype=torch.bfloat16, device=device)
         out = torch.empty(1, 1, device=device)
         found = []
-        for op, want in ((lambda: torch.mm(a, b, out_dtype=torch.float32, out=out), 1 + 2.0 ** -8),
-                         (lambda: torch.addmm(out.fill_(1 + 2.0 ** -12), a, b,
-                                              out_dtype=torch.float32, out=out),
-                          2 + 2.0 ** -8 + 2.0 ** -12)):
+        for op, want in (
+            (lambda: torch.mm(a, b, out_dtype=torch.float32, out=out), 1 + 2.0**-8),
+            (
+                lambda: torch.addmm(
+                    out.fill_(1 + 2.0**-12), a, b, out_dtype=torch.float32, out=out
+                ),
+                2 + 2.0**-8 + 2.0**-12,
+            ),
+        ):
             try:
                 found.append(op().item() == want)
             except (RuntimeError, NotImplementedError, TypeError):
@@ -66,7 +71,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
         grad_h = grad_w = None
         if need_h:
-            grad_h = (torch.empty if dense else torch.zeros)(n_rows, dim, dtype=dtype, device=device)
+            grad_h = (torch.empty if dense else torch.zeros)(
+                n_rows, dim, dtype=dtype, device=device
+            )
         if need_w:
             grad_w = torch.zeros(vocab, dim, dtype=acc, device=device)
         losses = torch.empty(n, dtype=acc, device=device)
@@ -153,8 +160,9 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None
 
 
-def chunked_cross_entropy(hidden, weight, labels, *, chunk_size=256, ignore_index=-100,
-                          reduction="sum"):
+def chunked_cross_entropy(
+    hidden, weight, labels, *, chunk_size=256, ignore_index=-100, reduction="sum"
+):
     """cross_entropy(hidden @ weight.T, labels) for hidden [N, H], weight [V, H], labels [N].
 
     "sum" returns the sum over non-ignored rows (divide by a global label count yourself);
@@ -166,18 +174,29 @@ def chunked_cross_entropy(hidden, weight, labels, *, chunk_size=256, ignore_inde
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} "
-                         f"and {tuple(weight.shape)}")
+        raise ValueError(
+            f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
     if labels.shape != hidden.shape[:1]:
         raise ValueError(f"labels must be [N={hidden.shape[0]}], got {tuple(labels.shape)}")
     if "DTensor" in (type(hidden).__name__, type(weight).__name__):
-        raise TypeError("pass plain tensors: for an FSDP2 lm_head, call this while the weight is "
-                        "unsharded (inside the module's forward, or after module.unshard())")
+        raise TypeError(
+            "pass plain tensors: for an FSDP2 lm_head, call this while the weight is "
+            "unsharded (inside the module's forward, or after module.unshard())"
+        )
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     grad_on = torch.is_grad_enabled()
     return ChunkedCrossEntropy.apply(
-        hidden, weight, labels, int(chunk_size), ignore_index, reduction == "mean",
-        grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+        hidden,
+        weight,
+        labels,
+        int(chunk_size),
+        ignore_index,
+        reduction == "mean",
+        grad_on and hidden.requires_grad,
+        grad_on and weight.requires_grad,
+    )

@@ -51,7 +51,9 @@ def host_tensors(obj) -> list[torch.Tensor]:
         return [t for o in obj for t in host_tensors(o)]
     if hasattr(obj, "host_buffers"):  # an OffloadPool that lists its buffers
         return list(obj.host_buffers())
-    if hasattr(obj, "_free"):  # model/offload.py's pool: (buffer, event) pairs by key, all free after a step
+    if hasattr(
+        obj, "_free"
+    ):  # model/offload.py's pool: (buffer, event) pairs by key, all free after a step
         return [b for bufs in obj._free.values() for b, _ in bufs]
     raise TypeError(f"host: expected tensors or an OffloadPool, got {type(obj).__name__}")
 
@@ -59,6 +61,7 @@ def host_tensors(obj) -> list[torch.Tensor]:
 def _where() -> str:
     """file:line of the innermost frame in this repository (for record=True)."""
     import sys
+
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
@@ -95,7 +98,9 @@ class _Counter(TorchDispatchMode):
             self._next += 1
             self.size[i], self.ptr[i] = 0, s.data_ptr()
             if self.record:
-                self.what[i] = f"{self.op} {getattr(self, 'shape', '')} @ {getattr(self, 'stack', '')}"
+                self.what[i] = (
+                    f"{self.op} {getattr(self, 'shape', '')} @ {getattr(self, 'stack', '')}"
+                )
             weakref.finalize(s, self._dead, i)
         n = s.nbytes()
         if n != self.size[i]:  # new, or resized in place (resize_, out= ops)
@@ -127,8 +132,18 @@ class StepMeter:
     counting meter on CUDA too (for comparing it with CUDA's own count).
     """
 
-    def __init__(self, device, *, model=None, optimizer=None, baseline=(), host=(),
-                 host_state: bool = False, force_cpu_meter: bool = False, record: bool = False):
+    def __init__(
+        self,
+        device,
+        *,
+        model=None,
+        optimizer=None,
+        baseline=(),
+        host=(),
+        host_state: bool = False,
+        force_cpu_meter: bool = False,
+        record: bool = False,
+    ):
         self.device = torch.device(device)
         self.host_state = host_state
         self.model, self.optimizer, self.baseline, self.host = model, optimizer, baseline, host
@@ -148,7 +163,7 @@ class StepMeter:
                 out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         return [t for t in out if isinstance(t, torch.Tensor)]
 
-    def __enter__(self) -> "StepMeter":
+    def __enter__(self) -> StepMeter:
         if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -174,7 +189,8 @@ class StepMeter:
             self._state_ids |= self._ids_of(self._model_state())
             if self.optimizer is not None:  # gradients exist from backward until zero_grad
                 self._hook = self.optimizer.register_step_pre_hook(
-                    lambda *_: self._state_ids.update(self._ids_of(self._model_state())))
+                    lambda *_: self._state_ids.update(self._ids_of(self._model_state()))
+                )
         c.__enter__()
         return self
 
@@ -225,13 +241,15 @@ class StepMeter:
             if k + 1 >= self._n0 and live > peak:
                 peak = live
                 if self.record:
-                    self.at_peak = sorted(((n, c.what.get(j, "?")) for j, n in now.items() if n), reverse=True)
+                    self.at_peak = sorted(
+                        ((n, c.what.get(j, "?")) for j, n in now.items() if n), reverse=True
+                    )
             if k + 1 == self._n0:
                 self.start_bytes = live
         self.peak_bytes, self.end_bytes = peak, live
         self._counter = None  # its finalizers still fire later, into a list nobody reads
 
-    def start(self) -> "StepMeter":
+    def start(self) -> StepMeter:
         return self.__enter__()
 
     def stop(self) -> int:

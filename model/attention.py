@@ -35,8 +35,16 @@ import functools
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BACKENDS", "MATH_MAX_TOKENS", "AttentionStore", "attention", "get_backend", "pick_backend",
-           "saved_attention_bytes", "set_backend"]
+__all__ = [
+    "BACKENDS",
+    "MATH_MAX_TOKENS",
+    "AttentionStore",
+    "attention",
+    "get_backend",
+    "pick_backend",
+    "saved_attention_bytes",
+    "set_backend",
+]
 
 BACKENDS = {
     "cudnn": "cuDNN attention",
@@ -51,31 +59,48 @@ MATH_MAX_TOKENS = 8192  # [heads, T, T] fp32 scores: 1 GiB per 4 heads at 8192 t
 # ---------------------------------------------------------------------------------------------
 # Choosing the kernel
 # ---------------------------------------------------------------------------------------------
-def _torch_can_use(name: str, device: torch.device, dtype: torch.dtype, nh: int, nkv: int, hd: int) -> bool:
+def _torch_can_use(
+    name: str, device: torch.device, dtype: torch.dtype, nh: int, nkv: int, hd: int
+) -> bool:
     """Ask torch whether `name` runs these head counts, on tiny probe tensors (with grad) on `device`."""
     if name == "math":
         return dtype.is_floating_point
     if device.type == "cuda" and not torch.cuda.is_available():
         return False
     shape = (1, 128, hd)  # the checks look at heads, head_dim, dtype, layout: not at the length
-    q, k, v = (torch.zeros(shape[0], h, *shape[1:], device=device, dtype=dtype, requires_grad=True)
-               for h in (nh, nkv, nkv))
+    q, k, v = (
+        torch.zeros(shape[0], h, *shape[1:], device=device, dtype=dtype, requires_grad=True)
+        for h in (nh, nkv, nkv)
+    )
     if name == "cpu_flash":
         from torch.nn.attention import SDPBackend
+
         return device.type == "cpu" and torch._fused_sdp_choice(
-            q, k, v, is_causal=True, enable_gqa=nh != nkv) == int(SDPBackend.FLASH_ATTENTION)
+            q, k, v, is_causal=True, enable_gqa=nh != nkv
+        ) == int(SDPBackend.FLASH_ATTENTION)
     if device.type != "cuda":
         return False
     params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, nh != nkv)
     if name == "cudnn":
-        return torch.backends.cudnn.is_available() and torch.backends.cuda.can_use_cudnn_attention(params, False)
+        return torch.backends.cudnn.is_available() and torch.backends.cuda.can_use_cudnn_attention(
+            params, False
+        )
     if name == "flash":  # the dispatcher pads head_dim to a multiple of 8 for flash; we do not
         return hd % 8 == 0 and torch.backends.cuda.can_use_flash_attention(params, False)
     return False
 
 
-def pick_backend(device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: int, head_dim: int,
-                 seq_len: int | None = None, request: str = "auto", can_use=None) -> str:
+def pick_backend(
+    device,
+    dtype: torch.dtype,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    seq_len: int | None = None,
+    request: str = "auto",
+    can_use=None,
+) -> str:
     """The attention backend for these shapes: "cudnn" else "flash" on CUDA, "cpu_flash" on CPU.
 
     The math fallback is taken only on CPU or, on CUDA, when seq_len <= MATH_MAX_TOKENS (tests,
@@ -86,17 +111,30 @@ def pick_backend(device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: in
     """
     device = torch.device(device)
     can_use = can_use or _torch_can_use
-    what = (f"{dtype} with {num_heads} query / {num_kv_heads} kv heads of dim {head_dim} on {device} "
-            f"(torch {torch.__version__})")
+    what = (
+        f"{dtype} with {num_heads} query / {num_kv_heads} kv heads of dim {head_dim} on {device} "
+        f"(torch {torch.__version__})"
+    )
     if request not in ("auto", *BACKENDS):
-        raise ValueError(f"attention backend {request!r} is unknown; pick one of auto, {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"attention backend {request!r} is unknown; pick one of auto, {', '.join(BACKENDS)}"
+        )
     if request == "sdpa":
         return "sdpa"
     if request != "auto":
-        if request in ("cudnn", "flash") and device.type != "cuda" or request == "cpu_flash" and device.type != "cpu":
-            raise ValueError(f"attention backend {request!r} does not run on {device.type}; use --attn-backend auto")
+        if (
+            request in ("cudnn", "flash")
+            and device.type != "cuda"
+            or request == "cpu_flash"
+            and device.type != "cpu"
+        ):
+            raise ValueError(
+                f"attention backend {request!r} does not run on {device.type}; use --attn-backend auto"
+            )
         if not can_use(request, device, dtype, num_heads, num_kv_heads, head_dim):
-            raise ValueError(f"attention backend {request!r} cannot run {what}; use --attn-backend auto")
+            raise ValueError(
+                f"attention backend {request!r} cannot run {what}; use --attn-backend auto"
+            )
         return request
     order = ("cudnn", "flash") if device.type == "cuda" else ("cpu_flash",)
     for name in order:
@@ -104,9 +142,11 @@ def pick_backend(device, dtype: torch.dtype, *, num_heads: int, num_kv_heads: in
             return name
     if device.type == "cpu" or (seq_len is not None and seq_len <= MATH_MAX_TOKENS):
         return "math"
-    raise ValueError(f"attention: neither cuDNN nor flash attention can run {what}, and the math fallback "
-                     f"(O(T^2) memory) stops at {MATH_MAX_TOKENS} tokens; train in bfloat16 with head_dim a "
-                     f"multiple of 8 (<= 256) on an sm80+ GPU, or pick --attn-backend sdpa (torch's choice, no attention-once)")
+    raise ValueError(
+        f"attention: neither cuDNN nor flash attention can run {what}, and the math fallback "
+        f"(O(T^2) memory) stops at {MATH_MAX_TOKENS} tokens; train in bfloat16 with head_dim a "
+        f"multiple of 8 (<= 256) on an sm80+ GPU, or pick --attn-backend sdpa (torch's choice, no attention-once)"
+    )
 
 
 _PINNED: str | None = None  # set_backend's choice; None: pick per shape, the first time it is seen
@@ -116,7 +156,9 @@ def set_backend(name: str | None) -> None:
     """Pin every attention() call to one backend (None: choose automatically per shape)."""
     global _PINNED
     if name is not None and name not in BACKENDS:
-        raise ValueError(f"attention backend {name!r} is unknown; pick one of {', '.join(BACKENDS)}")
+        raise ValueError(
+            f"attention backend {name!r} is unknown; pick one of {', '.join(BACKENDS)}"
+        )
     _PINNED = name
 
 
@@ -125,9 +167,12 @@ def get_backend() -> str | None:
 
 
 @functools.lru_cache(maxsize=64)
-def _auto_backend(device: torch.device, dtype, nh: int, nkv: int, hd: int, short: bool, flags) -> str:
-    return pick_backend(device, dtype, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
-                        seq_len=1 if short else None)
+def _auto_backend(
+    device: torch.device, dtype, nh: int, nkv: int, hd: int, short: bool, flags
+) -> str:
+    return pick_backend(
+        device, dtype, num_heads=nh, num_kv_heads=nkv, head_dim=hd, seq_len=1 if short else None
+    )
 
 
 def _sdp_flags() -> tuple:
@@ -136,8 +181,9 @@ def _sdp_flags() -> tuple:
     return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.math_sdp_enabled()
 
 
-def saved_attention_bytes(tokens: int, num_heads: int, head_dim: int, dtype_bytes: int, sp: int = 1,
-                          batch: int = 1) -> int:
+def saved_attention_bytes(
+    tokens: int, num_heads: int, head_dim: int, dtype_bytes: int, sp: int = 1, batch: int = 1
+) -> int:
     """Bytes attention-once keeps per layer per GPU: out [B, T, nh/sp, hd] + fp32 lse [B, nh/sp, T].
 
     T is the whole sequence (Ulysses splits heads, not tokens, around attention). Qwen3-8B at
@@ -156,33 +202,43 @@ def _forward(backend: str, q, k, v):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
         return out, lse, None
     if backend == "flash":
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, True, False)
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)
+        )
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
     if backend == "cudnn":
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, True, False)
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
+        )
         return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
     if backend == "math":
         return (*_math_forward(q, k, v), None)
-    raise ValueError(f"attention backend {backend!r} has no (out, lse) forward; pick one of cudnn, flash, "
-                     f"cpu_flash, math (sdpa cannot keep attention for the backward)")
+    raise ValueError(
+        f"attention backend {backend!r} has no (out, lse) forward; pick one of cudnn, flash, "
+        f"cpu_flash, math (sdpa cannot keep attention for the backward)"
+    )
 
 
 def _backward(backend: str, dout, q, k, v, out, lse, aux):
     aten = torch.ops.aten
     if backend in ("flash", "cudnn") and dout.stride() != out.stride():
-        dout = torch.empty_like(out).copy_(dout)  # the fused CUDA backwards want dout laid out like out
+        dout = torch.empty_like(out).copy_(
+            dout
+        )  # the fused CUDA backwards want dout laid out like out
     if backend == "cpu_flash":
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, True)
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, True
+        )
     if backend == "flash":
         cum_q, cum_k, max_q, max_k, seed, offset = aux
         return aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset)
+            dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset
+        )
     if backend == "cudnn":
         cum_q, cum_k, max_q, max_k, seed, offset = aux
         return aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True)
+            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True
+        )
     return _math_backward(dout, q, k, v, out, lse)
 
 
@@ -266,18 +322,27 @@ class AttentionStore:
     def put(self, out, lse) -> None:
         """Keep out and lse, each contiguous in its own memory order (a host copy then round-trips
         the kernel's strides, whatever they are)."""
-        out, lse = out.detach(), lse.detach()  # no reference to the graph (it references this store)
+        out, lse = (
+            out.detach(),
+            lse.detach(),
+        )  # no reference to the graph (it references this store)
         orders = [_dense_order(t) for t in (out, lse)]
-        self.kept.append((self.keep(out.permute(orders[0])), self.keep(lse.permute(orders[1])), orders))
+        self.kept.append(
+            (self.keep(out.permute(orders[0])), self.keep(lse.permute(orders[1])), orders)
+        )
         self.i += 1
 
     def take(self):
         if self.i >= len(self.kept):
-            raise RuntimeError(f"attention-once: the recompute made attention call {self.i + 1} but the forward "
-                               f"made {len(self.kept)}; the layer body must call attention the same way each run")
+            raise RuntimeError(
+                f"attention-once: the recompute made attention call {self.i + 1} but the forward "
+                f"made {len(self.kept)}; the layer body must call attention the same way each run"
+            )
         out, lse, (o_order, l_order) = self.kept[self.i]
         self.i += 1
-        return self.fetch(out).permute(_inverse(o_order)), self.fetch(lse).permute(_inverse(l_order))
+        return self.fetch(out).permute(_inverse(o_order)), self.fetch(lse).permute(
+            _inverse(l_order)
+        )
 
 
 def _dense_order(t: torch.Tensor) -> list:
@@ -306,7 +371,9 @@ class _AttentionCore(torch.autograd.Function):
             if store is not None:
                 store.put(out, lse)
         ctx.backend = backend
-        ctx.save_for_backward(q, k, v, out, lse)  # same tensors, same order, in forward and recompute
+        ctx.save_for_backward(
+            q, k, v, out, lse
+        )  # same tensors, same order, in forward and recompute
         return out
 
     @staticmethod
@@ -316,7 +383,9 @@ class _AttentionCore(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None
+) -> torch.Tensor:
     """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
 
     Runs the pinned backend (set_backend), else the one pick_backend chooses for these shapes
@@ -327,13 +396,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | 
     nkv = k.shape[2]
     if nh % nkv:
         raise ValueError(f"attention: {nh} query heads are not a multiple of {nkv} kv heads")
-    backend = backend or _PINNED or _auto_backend(q.device, q.dtype, nh, nkv, hd, T <= MATH_MAX_TOKENS, _sdp_flags())
+    backend = (
+        backend
+        or _PINNED
+        or _auto_backend(q.device, q.dtype, nh, nkv, hd, T <= MATH_MAX_TOKENS, _sdp_flags())
+    )
     if backend == "sdpa":
         if _ACTIVE is not None:
-            raise RuntimeError("attention-once needs a backend that returns the log-sum-exp; backend 'sdpa' "
-                               "does not: pin another one, or run with --no-save-attention")
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             is_causal=True, enable_gqa=nh != nkv)
+            raise RuntimeError(
+                "attention-once needs a backend that returns the log-sum-exp; backend 'sdpa' "
+                "does not: pin another one, or run with --no-save-attention"
+            )
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=nh != nkv,
+        )
         return out.transpose(1, 2)
-    out = _AttentionCore.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend)  # [B, nh, T, hd]
+    out = _AttentionCore.apply(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend
+    )  # [B, nh, T, hd]
     return out.transpose(1, 2)  # [B, T, nh, hd]

@@ -60,14 +60,22 @@ class Qwen3Config:
     eos_token_id: int | None = 151645
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        ):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"Qwen3Config.{name} must be positive, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention")
+                f"num_key_value_heads ({self.num_key_value_heads}) for grouped-query attention"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -87,23 +95,30 @@ class Qwen3Config:
 
     # ---- presets ------------------------------------------------------------------------
     @classmethod
-    def preset(cls, name: str) -> "Qwen3Config":
+    def preset(cls, name: str) -> Qwen3Config:
         if name not in PRESETS:
-            raise ValueError(f"unknown Qwen3 preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+            raise ValueError(
+                f"unknown Qwen3 preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+            )
         return PRESETS[name]
 
-    def with_yarn(self, factor: float, original_max_position_embeddings: int, **kw) -> "Qwen3Config":
+    def with_yarn(
+        self, factor: float, original_max_position_embeddings: int, **kw
+    ) -> Qwen3Config:
         """The same model with YaRN RoPE scaling; max positions become factor x original."""
         if not (1 <= factor < math.inf) or int(original_max_position_embeddings) < 1:
-            raise ConfigError(f"YaRN needs factor >= 1 and original_max_position_embeddings >= 1, got {factor} "
-                              f"and {original_max_position_embeddings}")
+            raise ConfigError(
+                f"YaRN needs factor >= 1 and original_max_position_embeddings >= 1, got {factor} "
+                f"and {original_max_position_embeddings}"
+            )
         yarn = YarnScaling(float(factor), int(original_max_position_embeddings), **kw)
-        return replace(self, yarn=yarn,
-                       max_position_embeddings=int(factor * original_max_position_embeddings))
+        return replace(
+            self, yarn=yarn, max_position_embeddings=int(factor * original_max_position_embeddings)
+        )
 
     # ---- Hugging Face config.json in and out ----------------------------------------------
     @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> "Qwen3Config":
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict[str, Any]) -> Qwen3Config:
         """Read a Hugging Face Qwen3 config: a model directory, a config.json path, or its dict.
 
         Accepts both RoPE layouts: the older `rope_theta` + `rope_scaling` and the newer
@@ -119,24 +134,31 @@ class Qwen3Config:
                 raise FileNotFoundError(
                     f"no Hugging Face config at {p!r}: pass a model directory holding config.json "
                     f"(for example a local copy of Qwen/Qwen3-8B) or a preset name "
-                    f"({', '.join(sorted(PRESETS))})")
+                    f"({', '.join(sorted(PRESETS))})"
+                )
             try:
                 with open(p) as f:
                     d, where = json.load(f), p
             except ValueError as e:  # JSONDecodeError, or bytes that are not text
-                raise ConfigError(f"{p} is not valid JSON ({e}); restore it from the model's original files") from None
+                raise ConfigError(
+                    f"{p} is not valid JSON ({e}); restore it from the model's original files"
+                ) from None
             if not isinstance(d, dict):
-                raise ConfigError(f"{p} holds a JSON {type(d).__name__}, not an object; restore the model's config.json")
+                raise ConfigError(
+                    f"{p} holds a JSON {type(d).__name__}, not an object; restore the model's config.json"
+                )
         _refuse_unsupported(d, where)
         try:
             return cls._from_dict(d, where)
         except ConfigError as e:  # __post_init__'s refusals do not know the file
             raise (e if where in str(e) else ConfigError(f"{where}: {e}")) from None
         except (ValueError, TypeError, KeyError, AttributeError) as e:  # a field of the wrong type
-            raise ConfigError(f"{where}: cannot read it as a Qwen3 config ({type(e).__name__}: {e})") from None
+            raise ConfigError(
+                f"{where}: cannot read it as a Qwen3 config ({type(e).__name__}: {e})"
+            ) from None
 
     @classmethod
-    def _from_dict(cls, d: dict[str, Any], where: str) -> "Qwen3Config":
+    def _from_dict(cls, d: dict[str, Any], where: str) -> Qwen3Config:
 
         rope = d.get("rope_parameters") or {}
         scaling = d.get("rope_scaling") or {}
@@ -148,20 +170,28 @@ class Qwen3Config:
         yarn = None
         if rope_type == "yarn":
             if "factor" not in rs or "original_max_position_embeddings" not in rs:
-                raise ConfigError(f"{where}: YaRN rope scaling needs 'factor' and "
-                                 f"'original_max_position_embeddings'")
+                raise ConfigError(
+                    f"{where}: YaRN rope scaling needs 'factor' and "
+                    f"'original_max_position_embeddings'"
+                )
             if rs.get("mscale") or rs.get("mscale_all_dim"):
-                raise ConfigError(f"{where}: YaRN with mscale/mscale_all_dim (DeepSeek style) is not supported")
+                raise ConfigError(
+                    f"{where}: YaRN with mscale/mscale_all_dim (DeepSeek style) is not supported"
+                )
             yarn = YarnScaling(
                 factor=float(rs["factor"]),
                 original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
                 beta_fast=float(rs.get("beta_fast") or 32.0),
                 beta_slow=float(rs.get("beta_slow") or 1.0),
-                attention_factor=(None if rs.get("attention_factor") is None else float(rs["attention_factor"])),
+                attention_factor=(
+                    None if rs.get("attention_factor") is None else float(rs["attention_factor"])
+                ),
                 truncate=bool(rs.get("truncate", True)),
             )
         elif rope_type != "default":
-            raise ConfigError(f"{where}: RoPE type {rope_type!r} is not supported (only 'default' and 'yarn')")
+            raise ConfigError(
+                f"{where}: RoPE type {rope_type!r} is not supported (only 'default' and 'yarn')"
+            )
 
         hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
         return cls(
@@ -211,7 +241,10 @@ class Qwen3Config:
         }
         if self.yarn is not None:
             y = asdict(self.yarn)
-            d["rope_scaling"] = {"rope_type": "yarn", **{k: v for k, v in y.items() if v is not None}}
+            d["rope_scaling"] = {
+                "rope_type": "yarn",
+                **{k: v for k, v in y.items() if v is not None},
+            }
         return d
 
     def to_dict(self) -> dict[str, Any]:
@@ -228,36 +261,87 @@ def _refuse_unsupported(d: dict[str, Any], where: str) -> None:
     if model_type not in (None, "qwen3") or any(a != "Qwen3ForCausalLM" for a in archs):
         raise ConfigError(
             f"{where}: model_type={model_type!r}, architectures={archs} is not a dense Qwen3 "
-            f"(model_type 'qwen3', Qwen3ForCausalLM); this trainer runs dense Qwen3 only, such as Qwen/Qwen3-8B")
+            f"(model_type 'qwen3', Qwen3ForCausalLM); this trainer runs dense Qwen3 only, such as Qwen/Qwen3-8B"
+        )
     if d.get("num_experts") or d.get("num_local_experts"):
-        raise ConfigError(f"{where}: mixture-of-experts configs are not supported; use a dense Qwen3 such as Qwen/Qwen3-8B")
+        raise ConfigError(
+            f"{where}: mixture-of-experts configs are not supported; use a dense Qwen3 such as Qwen/Qwen3-8B"
+        )
     if d.get("use_sliding_window"):
-        raise ConfigError(f"{where}: sliding-window attention (use_sliding_window=true) is not supported")
+        raise ConfigError(
+            f"{where}: sliding-window attention (use_sliding_window=true) is not supported"
+        )
     if d.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"{where}: hidden_act={d['hidden_act']!r} is not supported (SiLU only)")
     if d.get("attention_bias"):
         raise ConfigError(f"{where}: attention_bias=true is not supported (Qwen3 has none)")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in d]
+    missing = [
+        k
+        for k in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        if k not in d
+    ]
     if missing:
         raise ConfigError(f"{where}: config is missing {missing}")
 
 
 PRESETS: dict[str, Qwen3Config] = {
     # Shapes as published in the Qwen/Qwen3-* config.json files.
-    "qwen3-0.6b": Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-1.7b": Qwen3Config(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                              num_attention_heads=16, num_key_value_heads=8, tie_word_embeddings=True),
-    "qwen3-4b": Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                            num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-0.6b": Qwen3Config(
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-1.7b": Qwen3Config(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": Qwen3Config(
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),
     "qwen3-8b": Qwen3Config(),
-    "qwen3-14b": Qwen3Config(hidden_size=5120, intermediate_size=17408, num_hidden_layers=40,
-                             num_attention_heads=40, num_key_value_heads=8),
-    "qwen3-32b": Qwen3Config(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                             num_attention_heads=64, num_key_value_heads=8),
+    "qwen3-14b": Qwen3Config(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+    ),
+    "qwen3-32b": Qwen3Config(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),
     # For tests and the CPU demo: head_dim deliberately not hidden / heads, GQA ratio 2.
-    "tiny": Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                        max_position_embeddings=4096, bos_token_id=None, eos_token_id=None),
+    "tiny": Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
 }

@@ -96,8 +96,17 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention import AttentionStore
 
-__all__ = ["OffloadPool", "OffloadStats", "apply_offload", "remove_offload", "offload_layer",
-           "set_mlp_tiling", "tiled_mlp", "host_block_bytes", "host_bytes"]
+__all__ = [
+    "OffloadPool",
+    "OffloadStats",
+    "apply_offload",
+    "remove_offload",
+    "offload_layer",
+    "set_mlp_tiling",
+    "tiled_mlp",
+    "host_block_bytes",
+    "host_bytes",
+]
 
 DEFAULT_MIN_BYTES = 1 << 20
 
@@ -136,8 +145,12 @@ class OffloadStats:
     h2d_copies: int = 0
     prefetched: int = 0  # H2D copies started before their recompute asked for them
     host_allocs: int = 0  # host blocks allocated this step: 0 once the pool is warm (or reserved)
-    pool_bytes: int = 0  # layer-input bytes the blocks are laid out for: most held at once, or reserved
-    pinned_bytes: int = 0  # bytes of all blocks, free and in use: what a GPU run pins (counted on CPU too)
+    pool_bytes: int = (
+        0  # layer-input bytes the blocks are laid out for: most held at once, or reserved
+    )
+    pinned_bytes: int = (
+        0  # bytes of all blocks, free and in use: what a GPU run pins (counted on CPU too)
+    )
     pool_buffers: int = 0  # blocks
     in_use_buffers: int = 0  # blocks holding part of a layer input right now
 
@@ -148,10 +161,21 @@ class OffloadStats:
 class _HostCopy:
     """What the pack hook returns for a moved tensor: its host blocks, and its trip back."""
 
-    __slots__ = ("pool", "key", "blocks", "nbytes", "shape", "dtype", "device", "event", "ready",
-                 "prev", "__weakref__")
+    __slots__ = (
+        "pool",
+        "key",
+        "blocks",
+        "nbytes",
+        "shape",
+        "dtype",
+        "device",
+        "event",
+        "ready",
+        "prev",
+        "__weakref__",
+    )
 
-    def __init__(self, pool: "OffloadPool", key, blocks: list, t: torch.Tensor):
+    def __init__(self, pool: OffloadPool, key, blocks: list, t: torch.Tensor):
         self.pool, self.key, self.blocks = pool, key, blocks
         self.nbytes, self.shape, self.dtype, self.device = _nbytes(t), t.shape, t.dtype, t.device
         self.event = None  # CUDA: event of the last copy touching the blocks (D2H, later H2D)
@@ -163,7 +187,9 @@ class _HostCopy:
         try:
             if self.ready is not None and self.device.type == "cuda":
                 _, ev, stream = self.ready
-                stream.wait_event(ev)  # an unused prefetch: its memory is reused only after the copy
+                stream.wait_event(
+                    ev
+                )  # an unused prefetch: its memory is reused only after the copy
             self.ready = None
             self.pool._give(self.key, self.blocks, self.event, self.nbytes)
         except Exception:  # interpreter shutdown; nothing to return to
@@ -178,11 +204,11 @@ def _copy_pieces(flat: torch.Tensor, blocks: list, to_host: bool, non_blocking: 
     """flat [n] bytes <-> blocks in order: block i holds bytes [i*b, (i+1)*b); the last is partial."""
     b = blocks[0].numel()
     for i, blk in enumerate(blocks):
-        piece = flat[i * b:(i + 1) * b]  # [b] bytes, or fewer in the last block
+        piece = flat[i * b : (i + 1) * b]  # [b] bytes, or fewer in the last block
         if to_host:
-            blk[:piece.numel()].copy_(piece, non_blocking=non_blocking)
+            blk[: piece.numel()].copy_(piece, non_blocking=non_blocking)
         else:
-            piece.copy_(blk[:piece.numel()], non_blocking=non_blocking)
+            piece.copy_(blk[: piece.numel()], non_blocking=non_blocking)
 
 
 class OffloadPool:
@@ -204,9 +230,13 @@ class OffloadPool:
     # ---- public ------------------------------------------------------------------------------
     def stats(self) -> OffloadStats:
         """This step's counters and the pool's current size."""
-        return replace(self._step, pool_bytes=max(self._peak_held, self._reserved),
-                       pinned_bytes=self._pinned_bytes, pool_buffers=self._pool_buffers,
-                       in_use_buffers=self._in_use)
+        return replace(
+            self._step,
+            pool_bytes=max(self._peak_held, self._reserved),
+            pinned_bytes=self._pinned_bytes,
+            pool_buffers=self._pool_buffers,
+            in_use_buffers=self._in_use,
+        )
 
     def reset_step(self) -> OffloadStats:
         """This step's counters (as stats()), then start counting the next step."""
@@ -214,7 +244,9 @@ class OffloadPool:
         self._step = OffloadStats()
         return s
 
-    def reserve(self, count: int, shape, dtype: torch.dtype, device, *, progress: bool = False) -> dict:
+    def reserve(
+        self, count: int, shape, dtype: torch.dtype, device, *, progress: bool = False
+    ) -> dict:
         """Allocate now the blocks for `count` more layer inputs of `shape` and `dtype` on `device`.
 
         Called before step 1 so that no step allocates (pinning gigabytes takes seconds and
@@ -225,9 +257,13 @@ class OffloadPool:
         if int(count) != count or count < 0:
             raise ValueError(f"reserve: count must be a number of layer inputs >= 0, got {count!r}")
         if device.type not in ("cuda", "cpu"):
-            raise ValueError(f"reserve: device must be cuda or cpu (where layer inputs live), got {device}")
+            raise ValueError(
+                f"reserve: device must be cuda or cpu (where layer inputs live), got {device}"
+            )
         if self._closed:
-            raise RuntimeError("OffloadPool was closed; build a new one (apply_offload(..., pool=None))")
+            raise RuntimeError(
+                "OffloadPool was closed; build a new one (apply_offload(..., pool=None))"
+            )
         n = math.prod(shape) * dtype.itemsize
         if n == 0 or n < self.min_bytes:
             return {"blocks": 0, "pinned_bytes": 0, "seconds": 0.0}
@@ -237,8 +273,13 @@ class OffloadPool:
 
         t0 = time.perf_counter()
         free = self._free.setdefault((b, pinned), [])
-        for _ in tqdm(range(blocks), desc=f"offload: pinning {blocks * b / 2**30:.2f} GiB of host blocks",
-                      unit="block", disable=not progress, leave=False):
+        for _ in tqdm(
+            range(blocks),
+            desc=f"offload: pinning {blocks * b / 2**30:.2f} GiB of host blocks",
+            unit="block",
+            disable=not progress,
+            leave=False,
+        ):
             free.append((self._alloc(b, pinned), None))
         self._reserved += int(count) * n
         return {"blocks": blocks, "pinned_bytes": blocks * b, "seconds": time.perf_counter() - t0}
@@ -258,8 +299,13 @@ class OffloadPool:
 
     def should_move(self, t) -> bool:
         """Moved: plain tensors on cpu/cuda that need grad, are not empty and have >= min_bytes."""
-        return (type(t) is torch.Tensor and t.requires_grad and t.numel() > 0
-                and t.device.type in ("cuda", "cpu") and _nbytes(t) >= self.min_bytes)
+        return (
+            type(t) is torch.Tensor
+            and t.requires_grad
+            and t.numel() > 0
+            and t.device.type in ("cuda", "cpu")
+            and _nbytes(t) >= self.min_bytes
+        )
 
     # ---- host blocks -------------------------------------------------------------------------
     def _alloc(self, b: int, pinned: bool) -> torch.Tensor:
@@ -272,8 +318,8 @@ class OffloadPool:
     def _take(self, key, count: int):
         """`count` blocks of one size, reused first; and the distinct last-use events to wait for."""
         free = self._free.setdefault(key, [])
-        reused = free[len(free) - min(count, len(free)):]
-        del free[len(free) - len(reused):]
+        reused = free[len(free) - min(count, len(free)) :]
+        del free[len(free) - len(reused) :]
         blocks = [blk for blk, _ in reused]
         events = list({id(ev): ev for _, ev in reused if ev is not None}.values())
         for _ in range(count - len(blocks)):
@@ -299,7 +345,9 @@ class OffloadPool:
         if not self.should_move(t):
             return t  # kept by reference: shared tables, small tensors, parameters
         if self._closed:
-            raise RuntimeError("OffloadPool was closed; build a new one (apply_offload(..., pool=None))")
+            raise RuntimeError(
+                "OffloadPool was closed; build a new one (apply_offload(..., pool=None))"
+            )
         cuda, n = t.device.type == "cuda", _nbytes(t)
         key = (host_block_bytes(n), cuda)
         blocks, waits = self._take(key, -(-n // key[0]))
@@ -307,18 +355,24 @@ class OffloadPool:
         src = t.detach()
         if cuda:
             compute = torch.cuda.current_stream(t.device)
-            src = src.contiguous()  # a no-op for the hidden state; else a copy on the compute stream
+            src = (
+                src.contiguous()
+            )  # a no-op for the hidden state; else a copy on the compute stream
             d2h, _ = self._copy_streams(t.device)
             d2h.wait_stream(compute)  # src is produced by queued compute work
             for ev in waits:
                 d2h.wait_event(ev)  # the blocks' previous H2D reads are done
             with torch.cuda.stream(d2h):
-                _copy_pieces(src.view(-1).view(torch.uint8), blocks, to_host=True, non_blocking=True)
+                _copy_pieces(
+                    src.view(-1).view(torch.uint8), blocks, to_host=True, non_blocking=True
+                )
             h.event = torch.cuda.Event()
             h.event.record(d2h)
             self._pending.append((h.event, src))  # src stays alive until its copy is done
         else:
-            _copy_pieces(src.reshape(-1).view(torch.uint8), blocks, to_host=True, non_blocking=False)
+            _copy_pieces(
+                src.reshape(-1).view(torch.uint8), blocks, to_host=True, non_blocking=False
+            )
         h.prev, self._last = self._last, weakref.ref(h)
         self._held += n
         self._peak_held = max(self._peak_held, self._held)
@@ -344,7 +398,9 @@ class OffloadPool:
 
     def _fetch(self, h: _HostCopy) -> None:
         """Start copying h's blocks back to its device, in pieces; h.ready holds the result."""
-        out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # cuda: the compute stream's pool
+        out = torch.empty(
+            h.shape, dtype=h.dtype, device=h.device
+        )  # cuda: the compute stream's pool
         flat = out.view(-1).view(torch.uint8)  # [n] bytes
         if h.device.type == "cuda":
             compute = torch.cuda.current_stream(h.device)
@@ -382,7 +438,8 @@ class OffloadPool:
             raise RuntimeError(
                 "offload: torch.utils.checkpoint did not save the layer inputs through the outer "
                 "saved-tensor hooks, so nothing was offloaded; this torch version "
-                f"({torch.__version__}) is not supported by model/offload.py")
+                f"({torch.__version__}) is not supported by model/offload.py"
+            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -398,8 +455,14 @@ class _OffloadedForward:
     back of the layer before it.
     """
 
-    def __init__(self, layer: nn.Module, pool: OffloadPool | None, preserve_rng_state: bool,
-                 save_attention: bool = False, last: bool = False):
+    def __init__(
+        self,
+        layer: nn.Module,
+        pool: OffloadPool | None,
+        preserve_rng_state: bool,
+        save_attention: bool = False,
+        last: bool = False,
+    ):
         self.own = layer.__dict__.get("forward")  # an instance forward we wrap, to restore later
         self.body = self.own or types.MethodType(type(layer).forward, layer)
         self.pool, self.preserve_rng_state = pool, preserve_rng_state
@@ -411,7 +474,9 @@ class _OffloadedForward:
         pool, body = self.pool, self.body
         if self.save_attention:
             store = AttentionStore()
-            if pool is not None and self.last:  # inputs and attention stay here; fetch the next layer's
+            if (
+                pool is not None and self.last
+            ):  # inputs and attention stay here; fetch the next layer's
                 store.on_replay = functools.partial(_prefetch, pool, pool._last)
                 pool = None
             elif pool is not None:
@@ -420,8 +485,13 @@ class _OffloadedForward:
         before = pool._last if pool is not None else None
         scope = pool._layer_scope(args, kwargs) if pool is not None else contextlib.nullcontext()
         with scope:
-            out = checkpoint(body, *args, use_reentrant=False,
-                             preserve_rng_state=self.preserve_rng_state, **kwargs)
+            out = checkpoint(
+                body,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=self.preserve_rng_state,
+                **kwargs,
+            )
         if self.save_attention and pool is not None:
             _backward_order(pool, before)
         return out
@@ -483,19 +553,29 @@ class _TiledMLPForward:
         return tiled_mlp(x, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, self.tile)
 
 
-def offload_layer(layer: nn.Module, pool: OffloadPool | None, *, tile_mlp: int | None = None,
-                  preserve_rng_state: bool = False, save_attention: bool = False, last: bool = False) -> None:
+def offload_layer(
+    layer: nn.Module,
+    pool: OffloadPool | None,
+    *,
+    tile_mlp: int | None = None,
+    preserve_rng_state: bool = False,
+    save_attention: bool = False,
+    last: bool = False,
+) -> None:
     """Checkpoint `layer` (in place), offloading its inputs to `pool`; pool=None: plain checkpoint.
 
     preserve_rng_state=False: Qwen3 layers draw no random numbers, so replaying the RNG is waste.
     save_attention, last: see _OffloadedForward.
     """
     if isinstance(layer.__dict__.get("forward"), _OffloadedForward):
-        raise RuntimeError(f"{type(layer).__name__} is already wrapped by offload_layer; "
-                           f"call remove_offload first")
+        raise RuntimeError(
+            f"{type(layer).__name__} is already wrapped by offload_layer; call remove_offload first"
+        )
     if tile_mlp is not None:
         if not isinstance(getattr(layer, "mlp", None), nn.Module):
-            raise TypeError(f"tile_mlp needs a layer with an `mlp` submodule; {type(layer).__name__} has none")
+            raise TypeError(
+                f"tile_mlp needs a layer with an `mlp` submodule; {type(layer).__name__} has none"
+            )
         set_mlp_tiling(layer.mlp, tile_mlp)
     layer.forward = _OffloadedForward(layer, pool, preserve_rng_state, save_attention, last)
 
@@ -512,8 +592,10 @@ def set_mlp_tiling(mlp: nn.Module, tile: int | None) -> None:
     for name in ("gate_proj", "up_proj", "down_proj"):
         lin = getattr(mlp, name, None)
         if not isinstance(lin, nn.Linear) or lin.bias is not None:
-            raise TypeError(f"set_mlp_tiling needs a SwiGLU MLP with bias-free Linear gate_proj, "
-                            f"up_proj and down_proj; {type(mlp).__name__}.{name} is {lin!r}")
+            raise TypeError(
+                f"set_mlp_tiling needs a SwiGLU MLP with bias-free Linear gate_proj, "
+                f"up_proj and down_proj; {type(mlp).__name__}.{name} is {lin!r}"
+            )
     mlp.forward = _TiledMLPForward(mlp, int(tile))
 
 
@@ -533,13 +615,22 @@ def _find_layers(model: nn.Module):
             return obj
     if isinstance(model, nn.ModuleList):
         return model
-    raise TypeError(f"apply_offload: {type(model).__name__} has no `model.layers` or `layers` "
-                    f"ModuleList (pass a Qwen3, a module holding `layers`, or the ModuleList)")
+    raise TypeError(
+        f"apply_offload: {type(model).__name__} has no `model.layers` or `layers` "
+        f"ModuleList (pass a Qwen3, a module holding `layers`, or the ModuleList)"
+    )
 
 
-def apply_offload(model: nn.Module, *, offload: bool = True, min_bytes: int | None = None,
-                  tile_mlp: int | None = None, pool: OffloadPool | None = None,
-                  preserve_rng_state: bool = False, save_attention: bool = False) -> OffloadPool:
+def apply_offload(
+    model: nn.Module,
+    *,
+    offload: bool = True,
+    min_bytes: int | None = None,
+    tile_mlp: int | None = None,
+    pool: OffloadPool | None = None,
+    preserve_rng_state: bool = False,
+    save_attention: bool = False,
+) -> OffloadPool:
     """Checkpoint every decoder layer of `model` in place, keeping only its input, on the host.
 
     offload=False: plain checkpointing (inputs stay on the device; the pool counts nothing).
@@ -556,8 +647,14 @@ def apply_offload(model: nn.Module, *, offload: bool = True, min_bytes: int | No
         pool.min_bytes = int(min_bytes)
     layers = _find_layers(model)
     for i, layer in enumerate(layers):
-        offload_layer(layer, pool if offload else None, tile_mlp=tile_mlp, preserve_rng_state=preserve_rng_state,
-                      save_attention=save_attention, last=save_attention and i == len(layers) - 1)
+        offload_layer(
+            layer,
+            pool if offload else None,
+            tile_mlp=tile_mlp,
+            preserve_rng_state=preserve_rng_state,
+            save_attention=save_attention,
+            last=save_attention and i == len(layers) - 1,
+        )
     return pool
 
 
@@ -583,16 +680,19 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, tile):
         dev = x.device.type  # backward replays the tiles under the same autocast state
-        ctx.tile, ctx.autocast = tile, (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
+        ctx.tile, ctx.autocast = (
+            tile,
+            (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev)),
+        )
         ctx.save_for_backward(x, w_gate, w_up, w_down)
         x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
         out = None
         for s in range(0, x2.shape[0], tile):  # grad is off inside Function.forward
-            xt = x2[s:s + tile]
+            xt = x2[s : s + tile]
             y = F.linear(F.silu(F.linear(xt, w_gate)) * F.linear(xt, w_up), w_down)  # [n, hidden]
             if out is None:  # y's dtype, which autocast may have chosen
                 out = y.new_empty(x2.shape[0], y.shape[1])  # [N, hidden]
-            out[s:s + tile] = y
+            out[s : s + tile] = y
         if out is None:  # no tokens
             out = x2.new_empty(0, w_down.shape[0])
         return out.view(*x.shape[:-1], out.shape[1])  # [B, T, hidden]
@@ -605,16 +705,18 @@ class _TiledMLP(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
         go2 = grad_out.reshape(-1, grad_out.shape[-1])  # [N, hidden]
         dx = torch.empty_like(x2) if need_x else None
-        acc = [torch.zeros(w.shape, dtype=_acc_dtype(w.dtype), device=w.device) if need else None
-               for w, need in ((w_gate, need_g), (w_up, need_u), (w_down, need_d))]
+        acc = [
+            torch.zeros(w.shape, dtype=_acc_dtype(w.dtype), device=w.device) if need else None
+            for w, need in ((w_gate, need_g), (w_up, need_u), (w_down, need_d))
+        ]
         wg = w_gate.detach().requires_grad_(need_g)
         wu = w_up.detach().requires_grad_(need_u)
         dev, dtype, enabled = ctx.autocast
         for s in range(0, x2.shape[0], tile):
-            xt = x2[s:s + tile].detach().requires_grad_(need_x)
+            xt = x2[s : s + tile].detach().requires_grad_(need_x)
             with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
                 h = F.silu(F.linear(xt, wg)) * F.linear(xt, wu)  # [n, intermediate]
-                go = go2[s:s + tile]
+                go = go2[s : s + tile]
                 dh = go.mm(w_down)  # [n, intermediate]; down_proj by hand: no need for its output
                 if need_d:
                     acc[2].add_(go.t().mm(h.detach()))  # [hidden, intermediate]
@@ -622,15 +724,18 @@ class _TiledMLP(torch.autograd.Function):
             if inputs:
                 grads = list(torch.autograd.grad(h, inputs, dh))
                 if need_x:
-                    dx[s:s + tile] = grads.pop(0)
+                    dx[s : s + tile] = grads.pop(0)
                 for i, need in ((0, need_g), (1, need_u)):
                     if need:
                         acc[i].add_(grads.pop(0))
-        grads_w = [None if a is None else a.to(w.dtype) for a, w in zip(acc, (w_gate, w_up, w_down))]
+        grads_w = [
+            None if a is None else a.to(w.dtype) for a, w in zip(acc, (w_gate, w_up, w_down))
+        ]
         return (None if dx is None else dx.view_as(x)), *grads_w, None
 
 
-def tiled_mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
-              tile: int) -> torch.Tensor:
+def tiled_mlp(
+    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, tile: int
+) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) over tiles of `tile` tokens; x [..., hidden] -> [..., hidden]."""
     return _TiledMLP.apply(x, w_gate, w_up, w_down, int(tile))

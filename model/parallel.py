@@ -36,7 +36,13 @@ import os
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from model.config import Qwen3Config
 from model.qwen3 import Qwen3
@@ -60,20 +66,27 @@ def build_mesh(world_size: int, sp: int = 1, device_type: str = "cuda") -> Devic
     share a node. Collective: every rank calls it, with the same arguments (on GPU, after
     torch.cuda.set_device(local_rank)). The sp group for attention is mesh["sp"].get_group()."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("build_mesh needs torch.distributed initialised: launch with torchrun "
-                           "(bash torchrun.sh) or call torch.distributed.init_process_group() first")
+        raise RuntimeError(
+            "build_mesh needs torch.distributed initialised: launch with torchrun "
+            "(bash torchrun.sh) or call torch.distributed.init_process_group() first"
+        )
     if world_size != dist.get_world_size():
-        raise ValueError(f"build_mesh(world_size={world_size}) but the process group has "
-                         f"{dist.get_world_size()} ranks; pass dist.get_world_size()")
+        raise ValueError(
+            f"build_mesh(world_size={world_size}) but the process group has "
+            f"{dist.get_world_size()} ranks; pass dist.get_world_size()"
+        )
     divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
     if sp < 1 or world_size % sp:
-        raise ValueError(f"sp={sp} must divide the world size {world_size}: choose sp in {divisors}")
+        raise ValueError(
+            f"sp={sp} must divide the world size {world_size}: choose sp in {divisors}"
+        )
     per_node = local_world_size(device_type)
     if sp > per_node or per_node % sp:
         raise ValueError(
             f"sp={sp} does not fit in one node of {per_node} processes: sequence parallelism runs "
             f"two all-to-alls per layer and must stay on the intra-node links; use an sp that divides "
-            f"{per_node} and let dp span the nodes")
+            f"{per_node} and let dp span the nodes"
+        )
     mesh = init_device_mesh(device_type, (world_size // sp, sp), mesh_dim_names=MESH_DIMS)
     shard_mesh(mesh)  # create the flattened group now, on every rank together
     return mesh
@@ -91,13 +104,18 @@ def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.ndim == 1:
         return mesh
     if tuple(mesh.mesh_dim_names or ()) != MESH_DIMS:
-        raise ValueError(f"expected a 1-D mesh or one with dims {MESH_DIMS} (from build_mesh), "
-                         f"got dims {mesh.mesh_dim_names}")
+        raise ValueError(
+            f"expected a 1-D mesh or one with dims {MESH_DIMS} (from build_mesh), "
+            f"got dims {mesh.mesh_dim_names}"
+        )
     return mesh._flatten(SHARD_DIM)
 
 
-def mixed_precision(device_type: str, param_dtype: torch.dtype | None = None,
-                    reduce_dtype: torch.dtype | None = None) -> MixedPrecisionPolicy:
+def mixed_precision(
+    device_type: str,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> MixedPrecisionPolicy:
     """bf16 compute with fp32 gradient reduction on GPU; plain fp32 (no casts) elsewhere."""
     if param_dtype is None and device_type == "cuda":
         param_dtype = torch.bfloat16
@@ -106,9 +124,16 @@ def mixed_precision(device_type: str, param_dtype: torch.dtype | None = None,
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or torch.float32)
 
 
-def apply_fsdp(model: Qwen3, mesh: DeviceMesh, *, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = None, gradient_divide_factor: float = 1.0,
-               reshard_layers: bool = True, cpu_offload: bool = False) -> Qwen3:
+def apply_fsdp(
+    model: Qwen3,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    gradient_divide_factor: float = 1.0,
+    reshard_layers: bool = True,
+    cpu_offload: bool = False,
+) -> Qwen3:
     """fully_shard the layers, embedding, [norm + lm_head] and root of `model` (see the module
     docstring for the units and why each one reshards or not), in place.
 
@@ -126,11 +151,16 @@ def apply_fsdp(model: Qwen3, mesh: DeviceMesh, *, param_dtype: torch.dtype | Non
     if not isinstance(model, Qwen3):
         raise TypeError(f"apply_fsdp expects model.qwen3.Qwen3, got {type(model).__name__}")
     if isinstance(model, FSDPModule):
-        raise ValueError("apply_fsdp: this model is already sharded (fully_shard was applied before)")
+        raise ValueError(
+            "apply_fsdp: this model is already sharded (fully_shard was applied before)"
+        )
     fsdp_mesh = shard_mesh(mesh)
     mp = mixed_precision(fsdp_mesh.device_type, param_dtype, reduce_dtype)
-    offload = (CPUOffloadPolicy(pin_memory=fsdp_mesh.device_type == "cuda") if cpu_offload
-               else OffloadPolicy())  # OffloadPolicy(): fully_shard's default, no offload
+    offload = (
+        CPUOffloadPolicy(pin_memory=fsdp_mesh.device_type == "cuda")
+        if cpu_offload
+        else OffloadPolicy()
+    )  # OffloadPolicy(): fully_shard's default, no offload
     shard = dict(mesh=fsdp_mesh, mp_policy=mp, offload_policy=offload)
 
     layers = list(model.model.layers)
@@ -173,11 +203,19 @@ def _restart_head_unit_each_forward(model: Qwen3) -> None:
         model.register_forward_pre_hook(lambda module, args: pending.clear())
 
 
-def build_sharded_model(config: Qwen3Config, mesh: DeviceMesh, *, device: str | torch.device,
-                        model_dir: str | None = None, dtype: torch.dtype = torch.float32,
-                        param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                        gradient_divide_factor: float = 1.0, progress: bool = True,
-                        cpu_offload: bool = False) -> tuple[Qwen3, LoadStats | None]:
+def build_sharded_model(
+    config: Qwen3Config,
+    mesh: DeviceMesh,
+    *,
+    device: str | torch.device,
+    model_dir: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    gradient_divide_factor: float = 1.0,
+    progress: bool = True,
+    cpu_offload: bool = False,
+) -> tuple[Qwen3, LoadStats | None]:
     """Meta build -> shard -> materialise on `device` -> load `model_dir` (or init_weights()).
 
     No rank ever holds a full copy: parameters exist only as shapes until they are sharded, and
@@ -191,11 +229,19 @@ def build_sharded_model(config: Qwen3Config, mesh: DeviceMesh, *, device: str | 
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if device.type != mesh.device_type:
-        raise ValueError(f"device {device} does not match the mesh's device type {mesh.device_type!r}")
+        raise ValueError(
+            f"device {device} does not match the mesh's device type {mesh.device_type!r}"
+        )
     with torch.device("meta"):
         model = Qwen3(config).to(dtype)
-    apply_fsdp(model, mesh, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-               gradient_divide_factor=gradient_divide_factor, cpu_offload=cpu_offload)
+    apply_fsdp(
+        model,
+        mesh,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        gradient_divide_factor=gradient_divide_factor,
+        cpu_offload=cpu_offload,
+    )
     # Allocates this rank's shards only, uninitialised; with cpu_offload in host memory (FSDP2
     # pins them and checks they are on the CPU when the first forward starts).
     model.to_empty(device="cpu" if cpu_offload else device)

@@ -47,7 +47,11 @@ def rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
     # YaRN: keep high frequencies (many rotations within the original context) as they are,
     # divide low ones by `factor`, and blend linearly in between (arXiv 2309.00071, sec. 3.2).
     def correction_dim(num_rotations: float) -> float:
-        return dim * math.log(y.original_max_position_embeddings / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+        return (
+            dim
+            * math.log(y.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+            / (2 * math.log(base))
+        )
 
     low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
     if y.truncate:
@@ -57,7 +61,9 @@ def rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
         high += 0.001  # avoid a division by zero in the ramp
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrapolation = 1 - ramp  # 1 where the original frequency is kept
-    inv_freq = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, y.attention_scaling
 
 
@@ -111,10 +117,10 @@ class _RMSNormFn(torch.autograd.Function):
         out2 = out.view(x2.shape)  # [N, dim], the chunks are written through it
         rstd = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)  # [N, 1]
         for s in range(0, x2.shape[0], step):
-            xf = x2[s:s + step].float()
+            xf = x2[s : s + step].float()
             r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-            rstd[s:s + step] = r
-            torch.mul(weight, (xf * r).to(x.dtype), out=out2[s:s + step])
+            rstd[s : s + step] = r
+            torch.mul(weight, (xf * r).to(x.dtype), out=out2[s : s + step])
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -127,13 +133,13 @@ class _RMSNormFn(torch.autograd.Function):
         dx = torch.empty_like(x2)
         dw = torch.zeros(x2.shape[1], dtype=torch.float32, device=x.device) if need_w else None
         for s in range(0, x2.shape[0], step):
-            r, dyc = rstd[s:s + step], dy2[s:s + step]
-            n = x2[s:s + step].float() * r  # the normalised rows, recomputed
+            r, dyc = rstd[s : s + step], dy2[s : s + step]
+            n = x2[s : s + step].float() * r  # the normalised rows, recomputed
             if need_w:
                 dw += (dyc * n.to(x.dtype)).sum(0, dtype=torch.float32)
             g = (dyc * weight).to(x.dtype).float()  # what autograd passes back through the cast
             # d/dx of x * rstd(x):  rstd * (g - n * mean(g * n))
-            dx[s:s + step] = r * (g - n * (g * n).mean(-1, keepdim=True))
+            dx[s : s + step] = r * (g - n * (g * n).mean(-1, keepdim=True))
         return dx.view_as(x), (dw.to(weight.dtype) if need_w else None), None
 
 
@@ -161,7 +167,11 @@ class Attention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            hd,
+        )
         self.q_proj = nn.Linear(h, self.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
@@ -173,7 +183,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))  # [B, T, nh, hd]
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim))  # [B, T, nkv, hd]
+        k = self.k_norm(
+            self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        )  # [B, T, nkv, hd]
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # RoPE after the q/k norms
         out = self.attn_fn(q, k, v)  # [B, T, nh, hd]
@@ -226,7 +238,9 @@ class Qwen3(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two names
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden states [B, T, hidden].
 
         position_ids are GLOBAL positions: a sequence shard starting at token s passes s, s+1, ...
@@ -241,7 +255,9 @@ class Qwen3(nn.Module):
             x = layer(x, cos, sin)
         return self.model.norm(x)
 
-    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Full logits [B, T, vocab]: for tests and short inputs only (training uses the chunked loss)."""
         return F.linear(self(input_ids, position_ids), self.lm_head.weight)
 

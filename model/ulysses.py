@@ -53,7 +53,9 @@ def heads_to_seq(x: torch.Tensor, group, repeat: int = 1) -> torch.Tensor:
     gradient of a repeated exchange) the `repeat` copies of each head are summed."""
     sp = dist.get_world_size(group)
     B, T, hs, hd = x.shape
-    send = x.view(B, sp, T // sp, hs, hd).transpose(0, 1).contiguous()  # [sp(dest = sequence block), B, T/sp, h/sp, hd]
+    send = (
+        x.view(B, sp, T // sp, hs, hd).transpose(0, 1).contiguous()
+    )  # [sp(dest = sequence block), B, T/sp, h/sp, hd]
     out = _all_to_all(send, group)  # [sp(source = head block), B, T/sp, h/sp, hd]
     del send
     out = out.permute(1, 2, 0, 3, 4).reshape(B, T // sp, sp * hs, hd)  # [B, T/sp, h, hd]
@@ -80,11 +82,15 @@ class _Exchange(torch.autograd.Function):
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:
     """Raise if a model's heads cannot be split over sp ranks."""
     if num_heads % sp:
-        raise ValueError(f"Ulysses sequence parallelism splits attention heads over sp ranks: "
-                         f"{num_heads} query heads do not divide by sp={sp}; pick sp dividing {num_heads}")
+        raise ValueError(
+            f"Ulysses sequence parallelism splits attention heads over sp ranks: "
+            f"{num_heads} query heads do not divide by sp={sp}; pick sp dividing {num_heads}"
+        )
     if num_kv_heads % sp and sp % num_kv_heads:
-        raise ValueError(f"{num_kv_heads} kv heads can neither be split over sp={sp} nor repeated to it; "
-                         f"pick sp that divides, or is a multiple of, {num_kv_heads}")
+        raise ValueError(
+            f"{num_kv_heads} kv heads can neither be split over sp={sp} nor repeated to it; "
+            f"pick sp that divides, or is a multiple of, {num_kv_heads}"
+        )
 
 
 class UlyssesAttention:
@@ -108,4 +114,3 @@ class UlyssesAttention:
         v = _Exchange.apply(v, self.group, True, r)
         out = sdpa_attention(q, k, v)  # [B, T, nh/sp, hd], causal over the whole sequence
         return _Exchange.apply(out, self.group, False)  # [B, T/sp, nh, hd]
-

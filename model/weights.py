@@ -31,8 +31,15 @@ except ImportError:  # pragma: no cover - torch built without distributed
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "generation_config.json", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "added_tokens.json",
+)
 
 
 @dataclass
@@ -49,8 +56,10 @@ class LoadStats:
 def checkpoint_files(path: str) -> dict[str, str]:
     """Map every tensor name in a model directory to the .safetensors file that holds it."""
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model directory {path!r} does not exist (expected config.json and "
-                                f"*.safetensors in it)")
+        raise FileNotFoundError(
+            f"model directory {path!r} does not exist (expected config.json and "
+            f"*.safetensors in it)"
+        )
     index = os.path.join(path, INDEX_NAME)
     if os.path.isfile(index):
         with open(index) as f:
@@ -58,8 +67,10 @@ def checkpoint_files(path: str) -> dict[str, str]:
         return {k: os.path.join(path, v) for k, v in weight_map.items()}
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
     if not files:
-        raise FileNotFoundError(f"no .safetensors files in {path!r} (a PyTorch .bin checkpoint? convert it "
-                                f"with transformers' save_pretrained(safe_serialization=True))")
+        raise FileNotFoundError(
+            f"no .safetensors files in {path!r} (a PyTorch .bin checkpoint? convert it "
+            f"with transformers' save_pretrained(safe_serialization=True))"
+        )
     out = {}
     for name in files:
         with safe_open(os.path.join(path, name), framework="pt") as f:
@@ -76,12 +87,17 @@ def _owned_rows(t: torch.Tensor) -> tuple[int, int] | None:
         if isinstance(p, Replicate):
             continue
         if not (isinstance(p, Shard) and p.dim == 0):
-            raise NotImplementedError(f"loading into placement {p} is not supported (FSDP2 uses Shard(0))")
+            raise NotImplementedError(
+                f"loading into placement {p} is not supported (FSDP2 uses Shard(0))"
+            )
         # torch.chunk semantics, nested per mesh dimension: chunk = ceil(rows / world)
         size, coord = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
         rows = stop - start
         chunk = -(-rows // size)
-        start, stop = min(start + coord * chunk, start + rows), min(start + (coord + 1) * chunk, start + rows)
+        start, stop = (
+            min(start + coord * chunk, start + rows),
+            min(start + (coord + 1) * chunk, start + rows),
+        )
     return start, stop
 
 
@@ -104,13 +120,24 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> L
         sources["lm_head.weight"] = "model.embed_tokens.weight"  # tied files omit lm_head
     missing = sorted(n for n, src in sources.items() if src not in where)
     unexpected = sorted(k for k in where if k not in targets)
-    misshaped = [f"{n}: checkpoint {shapes[src]} vs model {tuple(targets[n].shape)}"
-                 for n, src in sources.items() if src in shapes and shapes[src] != tuple(targets[n].shape)]
+    misshaped = [
+        f"{n}: checkpoint {shapes[src]} vs model {tuple(targets[n].shape)}"
+        for n, src in sources.items()
+        if src in shapes and shapes[src] != tuple(targets[n].shape)
+    ]
     if missing or unexpected or misshaped:
         lines = [f"checkpoint {path!r} does not match the model ({type(model).__name__}):"]
-        for title, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+        for title, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mis-shaped", misshaped),
+        ):
             if items:
-                lines.append(f"  {title} ({len(items)}): " + ", ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
+                lines.append(
+                    f"  {title} ({len(items)}): "
+                    + ", ".join(items[:8])
+                    + (" ..." if len(items) > 8 else "")
+                )
         lines.append("  Is config.json the one that belongs to these weights?")
         raise ValueError("\n".join(lines))
 
@@ -130,10 +157,12 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> L
                     local = t.to_local() if isinstance(t, DTensor) else t
                     rows = _owned_rows(t)
                     sl = f.get_slice(sources[name])
-                    data = sl[:] if rows is None else sl[rows[0]:rows[1]]
+                    data = sl[:] if rows is None else sl[rows[0] : rows[1]]
                     if data.shape != local.shape:  # the rows we computed must be FSDP2's shard
-                        raise RuntimeError(f"{name}: read rows {rows} of {tuple(t.shape)} -> "
-                                           f"{tuple(data.shape)}, but this rank's shard is {tuple(local.shape)}")
+                        raise RuntimeError(
+                            f"{name}: read rows {rows} of {tuple(t.shape)} -> "
+                            f"{tuple(data.shape)}, but this rank's shard is {tuple(local.shape)}"
+                        )
                     stats.bytes_read += data.numel() * data.element_size()
                     local.copy_(data)  # converts in place: bf16 file -> fp32 shard, on CPU or GPU
                     stats.tensors += 1
@@ -145,9 +174,15 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> L
 # ---------------------------------------------------------------------------------------------
 # Saving
 # ---------------------------------------------------------------------------------------------
-def save_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype = torch.bfloat16,
-                     max_shard_bytes: int = 5 * 10**9, tokenizer_dir: str | None = None,
-                     progress: bool = True) -> list[str]:
+def save_safetensors(
+    model: nn.Module,
+    path: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 5 * 10**9,
+    tokenizer_dir: str | None = None,
+    progress: bool = True,
+) -> list[str]:
     """Write `model` in the Hugging Face layout. Collective when the model is sharded: every
     rank must call it, rank 0 writes, and all return once the files are there. Returns the
     files written (on rank 0)."""
@@ -169,7 +204,9 @@ def save_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype = torch.
         shards[-1].append(name)
         size += nbytes
     n = len(shards)
-    names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    names = (
+        [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
     if rank == 0:
         os.makedirs(path, exist_ok=True)
 
@@ -189,14 +226,19 @@ def save_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype = torch.
             if rank == 0:
                 tmp = os.path.join(path, fname + ".tmp")
                 save_file(tensors, tmp, metadata={"format": "pt"})
-                os.replace(tmp, os.path.join(path, fname))  # never a half-written file under the real name
+                os.replace(
+                    tmp, os.path.join(path, fname)
+                )  # never a half-written file under the real name
                 weight_map.update({k: fname for k in tensors})
                 written.append(os.path.join(path, fname))
     bar.close()
 
     if rank == 0:
         if n > 1:
-            _write_json(os.path.join(path, INDEX_NAME), {"metadata": {"total_size": total}, "weight_map": weight_map})
+            _write_json(
+                os.path.join(path, INDEX_NAME),
+                {"metadata": {"total_size": total}, "weight_map": weight_map},
+            )
         if config is not None and hasattr(config, "to_hf"):
             hf = config.to_hf()
             hf["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -217,8 +259,20 @@ def _write_json(p: str, obj) -> None:
     os.replace(p + ".tmp", p)
 
 
-_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-          "F8_E4M3": 1, "F8_E5M2": 1}
+_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def _dtype_size(st_dtype: str) -> int:
@@ -227,5 +281,8 @@ def _dtype_size(st_dtype: str) -> int:
 
 def _progress(total: int, enabled: bool, desc: str):
     from tqdm import tqdm
+
     on = enabled and total > 1
-    return tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None if on else True)  # None: tty only
+    return tqdm(
+        total=total, desc=desc, unit="tensor", leave=False, disable=None if on else True
+    )  # None: tty only

@@ -59,7 +59,11 @@ def checkpoints(out: str) -> list[tuple[int, str]]:
     root = os.path.join(out, "checkpoints")
     if not os.path.isdir(root):
         return []
-    found = [(int(m.group(1)), os.path.join(root, n)) for n in os.listdir(root) if (m := STEP_DIR.match(n))]
+    found = [
+        (int(m.group(1)), os.path.join(root, n))
+        for n in os.listdir(root)
+        if (m := STEP_DIR.match(n))
+    ]
     return sorted(found)
 
 
@@ -84,23 +88,31 @@ def save_checkpoint(out: str, step: int, model, optimizer, loader, rank: int, ke
     if free.item() < need_b:
         have = [name for _, name in checkpoints(out)]
         last = os.path.basename(have[-1]) if have else "none yet"
-        raise DiskSpaceError(f"not enough disk for checkpoint {os.path.basename(final)} under {root}: it needs "
-                             f"{need_b / 1e9:.2f} GB, {free.item() / 1e9:.2f} GB are free; nothing was written and "
-                             f"the last checkpoint ({last}) is intact. Free some space (or lower --keep-checkpoints) "
-                             f"and continue with --resume auto")
+        raise DiskSpaceError(
+            f"not enough disk for checkpoint {os.path.basename(final)} under {root}: it needs "
+            f"{need_b / 1e9:.2f} GB, {free.item() / 1e9:.2f} GB are free; nothing was written and "
+            f"the last checkpoint ({last}) is intact. Free some space (or lower --keep-checkpoints) "
+            f"and continue with --resume auto"
+        )
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp)
-    extra = {"step": step, "loader": loader.state_dict(), "cpu_rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    extra = {
+        "step": step,
+        "loader": loader.state_dict(),
+        "cpu_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
     torch.save(extra, os.path.join(tmp, f"extra_rank{rank:05d}.pt"))
     dist.barrier()
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        with open(os.path.join(root, "LATEST.tmp"), "w") as f:  # for people; resume scans the directory
+        with open(
+            os.path.join(root, "LATEST.tmp"), "w"
+        ) as f:  # for people; resume scans the directory
             f.write(os.path.basename(final))
         os.replace(os.path.join(root, "LATEST.tmp"), os.path.join(root, "LATEST"))
         rotate(out, step, keep)
@@ -117,7 +129,11 @@ def rotate(out: str, step: int, keep: int) -> list[str]:
         older = [p for s, p in checkpoints(out) if s <= step]
         gone = older[:-keep]
     root = os.path.join(out, "checkpoints")
-    gone += [os.path.join(root, n) for n in os.listdir(root) if n.endswith(".tmp") and STEP_DIR.match(n[:-4])]
+    gone += [
+        os.path.join(root, n)
+        for n in os.listdir(root)
+        if n.endswith(".tmp") and STEP_DIR.match(n[:-4])
+    ]
     for p in gone:
         shutil.rmtree(p, ignore_errors=True)
     return gone
@@ -171,7 +187,9 @@ def load_checkpoint(path: str, model, optimizer, loader, rank: int) -> int:
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     files = sorted(f for f in os.listdir(path) if f.startswith("extra_rank"))
     extra = torch.load(os.path.join(path, files[min(rank, len(files) - 1)]), weights_only=False)
     loader.load_state_dict(extra["loader"])

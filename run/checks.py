@@ -15,15 +15,33 @@ from __future__ import annotations
 import math
 import os
 
-from model.config import PRESETS as MODEL_PRESETS, ConfigError, Qwen3Config
+from model.config import PRESETS as MODEL_PRESETS
+from model.config import ConfigError, Qwen3Config
 from run.checkpoint import problem as checkpoint_problem
-from run.rundir import RunDirError, RunLock, check_out_writable, move_aside, previous_run, refuse_reuse
+from run.rundir import (
+    RunDirError,
+    RunLock,
+    check_out_writable,
+    move_aside,
+    previous_run,
+    refuse_reuse,
+)
 
 # Model shapes known without a download (dry runs, --check-only before a download).
-KNOWN_MODELS = {"Qwen/Qwen3-0.6B": "qwen3-0.6b", "Qwen/Qwen3-1.7B": "qwen3-1.7b", "Qwen/Qwen3-4B": "qwen3-4b",
-                "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3-14B": "qwen3-14b", "Qwen/Qwen3-32B": "qwen3-32b"}
-CHOICES = {"decay": ("cosine", "linear", "constant"), "loss_on": ("all", "predictable"),
-           "dtype": ("auto", "bfloat16", "float32", "float16"), "save_dtype": ("bfloat16", "float16", "float32")}
+KNOWN_MODELS = {
+    "Qwen/Qwen3-0.6B": "qwen3-0.6b",
+    "Qwen/Qwen3-1.7B": "qwen3-1.7b",
+    "Qwen/Qwen3-4B": "qwen3-4b",
+    "Qwen/Qwen3-8B": "qwen3-8b",
+    "Qwen/Qwen3-14B": "qwen3-14b",
+    "Qwen/Qwen3-32B": "qwen3-32b",
+}
+CHOICES = {
+    "decay": ("cosine", "linear", "constant"),
+    "loss_on": ("all", "predictable"),
+    "dtype": ("auto", "bfloat16", "float32", "float16"),
+    "save_dtype": ("bfloat16", "float16", "float32"),
+}
 INF = math.inf
 
 
@@ -43,14 +61,22 @@ def _rules(c) -> list[tuple[str, bool, str]]:
         ("adam_eps", 0 < c.adam_eps < INF, "positive and finite, such as 1e-8"),
         ("grad_clip", 0 <= c.grad_clip < INF, "finite and >= 0 (0 disables clipping)"),
         ("seed", 0 <= c.seed < 2**32, "in [0, 2^32)"),
-        ("yarn_factor", c.yarn_factor == 0 or 1 <= c.yarn_factor < INF, "0 (RoPE as configured) or >= 1, such as 32"),
+        (
+            "yarn_factor",
+            c.yarn_factor == 0 or 1 <= c.yarn_factor < INF,
+            "0 (RoPE as configured) or >= 1, such as 32",
+        ),
         ("yarn_original", c.yarn_original >= 1, "a positive length such as 32768"),
         ("offload_min_bytes", c.offload_min_bytes >= 0, ">= 0"),
         ("tile_mlp", c.tile_mlp >= 0, "0 (untiled) or tokens per tile, such as 16384"),
         ("loss_chunk", c.loss_chunk >= 1, "a positive number of rows, such as 256"),
         ("save_every", c.save_every >= 0, "0 (only at the end) or a positive number of steps"),
         ("stop_after", c.stop_after >= 0, "0 (run to --steps) or a positive number of steps"),
-        ("keep_checkpoints", c.keep_checkpoints >= 0, "0 (keep all) or a positive count, such as 2"),
+        (
+            "keep_checkpoints",
+            c.keep_checkpoints >= 0,
+            "0 (keep all) or a positive count, such as 2",
+        ),
         ("max_bad_steps", c.max_bad_steps >= 1, "a positive count, such as 3"),
         ("gpu_mem_gb", 0 < c.gpu_mem_gb < INF, "a positive number of GB, such as 80"),
         ("host_mem_gb", 0 < c.host_mem_gb < INF, "a positive number of GB per node, such as 2000"),
@@ -68,25 +94,38 @@ def check_flags(cfg) -> None:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)}: must be {rule}")
     for name, allowed in CHOICES.items():
         if getattr(cfg, name) not in allowed:
-            raise ConfigError(f"{flag(name)} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}")
+            raise ConfigError(
+                f"{flag(name)} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}"
+            )
     if cfg.loss_on == "predictable" and not cfg.data.startswith("synthetic:"):
-        raise ConfigError("--loss-on predictable needs a synthetic source (--data synthetic:...): only they mark "
-                          "which labels are predictable; use --loss-on all")
+        raise ConfigError(
+            "--loss-on predictable needs a synthetic source (--data synthetic:...): only they mark "
+            "which labels are predictable; use --loss-on all"
+        )
     if getattr(cfg, "save_attention", None) and getattr(cfg, "attn_backend", "auto") == "sdpa":
-        raise ConfigError("--save-attention: --attn-backend sdpa has no log-sum-exp for attention once; "
-                          "use --attn-backend auto or --no-save-attention")
+        raise ConfigError(
+            "--save-attention: --attn-backend sdpa has no log-sum-exp for attention once; "
+            "use --attn-backend auto or --no-save-attention"
+        )
     if cfg.cache_dir and os.path.isfile(cfg.cache_dir):
-        raise ConfigError(f"--cache-dir {cfg.cache_dir} is a file; pass a directory for the token cache")
+        raise ConfigError(
+            f"--cache-dir {cfg.cache_dir} is a file; pass a directory for the token cache"
+        )
     if cfg.resume not in ("", "auto"):
-        why = "no such directory" if not os.path.isdir(cfg.resume) else checkpoint_problem(cfg.resume)
+        why = (
+            "no such directory" if not os.path.isdir(cfg.resume) else checkpoint_problem(cfg.resume)
+        )
         if why:
-            raise ConfigError(f"--resume {cfg.resume}: not a loadable checkpoint ({why}); pass a step_* directory "
-                              f"under OUT/checkpoints, or --resume auto")
+            raise ConfigError(
+                f"--resume {cfg.resume}: not a loadable checkpoint ({why}); pass a step_* directory "
+                f"under OUT/checkpoints, or --resume auto"
+            )
 
 
 # ---- the model --------------------------------------------------------------------------------
-def resolve_model(cfg, *, download: bool, weights: bool = True,
-                  extra_models=None) -> tuple[Qwen3Config | None, str | None]:
+def resolve_model(
+    cfg, *, download: bool, weights: bool = True, extra_models=None
+) -> tuple[Qwen3Config | None, str | None]:
     """The model's config and its weights directory (None: random init, or a hub id not fetched yet,
     whose config is then None unless its shapes are known). weights=False (dry runs): a directory
     with only config.json will do. The weights themselves are never opened here."""
@@ -98,19 +137,32 @@ def resolve_model(cfg, *, download: bool, weights: bool = True,
     elif os.path.isdir(name):
         mc, path = _from_hf(name), name
         if weights and not any(f.endswith(".safetensors") for f in os.listdir(name)):
-            raise ConfigError(f"--model {name}: no .safetensors weights in it; pass a Hugging Face model directory "
-                              f"(config.json + *.safetensors), or a preset for random init")
+            raise ConfigError(
+                f"--model {name}: no .safetensors weights in it; pass a Hugging Face model directory "
+                f"(config.json + *.safetensors), or a preset for random init"
+            )
     elif os.path.isfile(name):
-        raise ConfigError(f"--model {name} is a file; pass the model directory that holds config.json")
+        raise ConfigError(
+            f"--model {name} is a file; pass the model directory that holds config.json"
+        )
     elif name.count("/") == 1 and not name.startswith((".", "/")) and all(name.split("/")):
         if download:
             path = download_model(name)
             mc = _from_hf(path)
         else:  # shapes only: a known id, or a config already in the local hub cache
-            mc, path = (MODEL_PRESETS[KNOWN_MODELS[name]] if name in KNOWN_MODELS else _cached_config(name)), None
+            mc, path = (
+                (
+                    MODEL_PRESETS[KNOWN_MODELS[name]]
+                    if name in KNOWN_MODELS
+                    else _cached_config(name)
+                ),
+                None,
+            )
     else:
-        raise ConfigError(f"--model {name!r}: no such directory, preset ({', '.join(sorted(MODEL_PRESETS))}, "
-                          f"{', '.join(extra) or '-'}) or hub id (owner/name)")
+        raise ConfigError(
+            f"--model {name!r}: no such directory, preset ({', '.join(sorted(MODEL_PRESETS))}, "
+            f"{', '.join(extra) or '-'}) or hub id (owner/name)"
+        )
     if mc is not None and cfg.yarn_factor:
         mc = mc.with_yarn(cfg.yarn_factor, cfg.yarn_original)
     return mc, path
@@ -126,6 +178,7 @@ def _from_hf(path: str) -> Qwen3Config:
 def _cached_config(repo_id: str) -> Qwen3Config | None:
     try:
         from huggingface_hub import try_to_load_from_cache
+
         hit = try_to_load_from_cache(repo_id, "config.json")
     except Exception:
         return None
@@ -135,11 +188,14 @@ def _cached_config(repo_id: str) -> Qwen3Config | None:
 def download_model(repo_id: str) -> str:
     """A hub id, fetched once per node (local rank 0) while the others wait, then shared."""
     import torch.distributed as dist
+
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ConfigError(f"--model {repo_id}: huggingface_hub is not installed; download the model and pass "
-                          f"its directory") from None
+        raise ConfigError(
+            f"--model {repo_id}: huggingface_hub is not installed; download the model and pass "
+            f"its directory"
+        ) from None
     patterns = ["*.json", "*.safetensors", "*.txt", "tokenizer*"]
     path, err = None, None
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
@@ -154,8 +210,10 @@ def download_model(repo_id: str) -> str:
         if err is None and path is None:
             path = snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True)
     if err:
-        raise ConfigError(f"--model {repo_id}: could not fetch it from the Hugging Face hub ({err}). Without a "
-                          f"network, download it elsewhere and pass the local directory.")
+        raise ConfigError(
+            f"--model {repo_id}: could not fetch it from the Hugging Face hub ({err}). Without a "
+            f"network, download it elsewhere and pass the local directory."
+        )
     return path
 
 
@@ -165,21 +223,29 @@ def check_layout(cfg, mc: Qwen3Config, world: int, local_world: int) -> tuple[in
 
     sp = cfg.sp or local_world
     if world % sp:
-        raise ConfigError(f"--sp {sp} does not divide the {world} processes; use a divisor of {world}")
+        raise ConfigError(
+            f"--sp {sp} does not divide the {world} processes; use a divisor of {world}"
+        )
     if sp > local_world:
-        raise ConfigError(f"--sp {sp} is larger than the {local_world} processes of one node; sequence "
-                          f"parallelism stays inside a node")
+        raise ConfigError(
+            f"--sp {sp} is larger than the {local_world} processes of one node; sequence "
+            f"parallelism stays inside a node"
+        )
     try:
         check_heads(mc.num_attention_heads, mc.num_key_value_heads, sp)
     except ValueError as e:
         raise ConfigError(f"--sp {sp}: {e}") from None
     if cfg.seq_len < sp:
-        raise ConfigError(f"--seq-len {cfg.seq_len} is shorter than sp={sp}: every rank needs a token")
+        raise ConfigError(
+            f"--seq-len {cfg.seq_len} is shorter than sp={sp}: every rank needs a token"
+        )
     return sp, world // sp
 
 
 # ---- the data ---------------------------------------------------------------------------------
-def check_data(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, num_rows: int) -> None:
+def check_data(
+    cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, num_rows: int
+) -> None:
     """Token files: integer ids in [0, vocab) and enough of them; synthetic sets: their shape;
     text: the source exists and the model's tokenizer loads, fits the vocabulary and has the eos token."""
     from data import build_rows
@@ -187,26 +253,44 @@ def check_data(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, n
     src = cfg.data
     try:
         if src.startswith(("synthetic:", "tokens:")):
-            build_rows(src, None, cfg.seq_len, num_rows, vocab_size=mc.vocab_size, seed=cfg.seed, progress=False)
+            build_rows(
+                src,
+                None,
+                cfg.seq_len,
+                num_rows,
+                vocab_size=mc.vocab_size,
+                seed=cfg.seed,
+                progress=False,
+            )
             return
         if random_init:
-            raise ConfigError(f"--data {src} is text: it needs the model's tokenizer, so --model must be a model "
-                              f"directory or hub id, not a preset; or use --data tokens:FILE.npy")
+            raise ConfigError(
+                f"--data {src} is text: it needs the model's tokenizer, so --model must be a model "
+                f"directory or hub id, not a preset; or use --data tokens:FILE.npy"
+            )
         from data import sources
+
         if not sources.is_hub_source(src):
             sources.local_files(src)
-        if model_dir is None:  # a hub model not fetched yet: its tokenizer is checked after the download
+        if (
+            model_dir is None
+        ):  # a hub model not fetched yet: its tokenizer is checked after the download
             return
         from data.encode import eos_id, load_tokenizer
+
         tok = load_tokenizer(model_dir)
         eos_id(tok, cfg.eos_token or None)
     except ConfigError:
         raise
     except (ValueError, OSError, TypeError) as e:  # data/ names the source itself; say it is --data
-        raise ConfigError(f"--data {e}" if str(e).startswith(src) else f"--data {src}: {e}") from None
+        raise ConfigError(
+            f"--data {e}" if str(e).startswith(src) else f"--data {src}: {e}"
+        ) from None
     if len(tok) > mc.vocab_size:
-        raise ConfigError(f"the tokenizer in {model_dir} has {len(tok):,} tokens but the model's vocabulary is "
-                          f"{mc.vocab_size:,}: they do not belong together; pass the model's own directory")
+        raise ConfigError(
+            f"the tokenizer in {model_dir} has {len(tok):,} tokens but the model's vocabulary is "
+            f"{mc.vocab_size:,}: they do not belong together; pass the model's own directory"
+        )
 
 
 # ---- all of it --------------------------------------------------------------------------------
@@ -217,7 +301,9 @@ def check_run(cfg, world: int, local_world: int, *, download: bool = False, extr
     if mc is None:  # an unknown hub id before its download: what needs its config waits for it
         return None, None, cfg.sp or local_world, world // (cfg.sp or local_world)
     sp, dp = check_layout(cfg, mc, world, local_world)
-    random_init = model_dir is None and (cfg.model in MODEL_PRESETS or cfg.model in (extra_models or {}))
+    random_init = model_dir is None and (
+        cfg.model in MODEL_PRESETS or cfg.model in (extra_models or {})
+    )
     check_data(cfg, mc, model_dir, random_init, cfg.steps * cfg.grad_accum * dp)
     return mc, model_dir, sp, dp
 
@@ -232,10 +318,20 @@ def open_run_dir(cfg, *, probe: bool = False) -> RunLock | None:
         lock = RunLock(cfg.out)
         if probe:
             lock.probe()
-            refuse_reuse(cfg.out, resuming=bool(cfg.resume), overwrite=cfg.overwrite, metrics_file=cfg.metrics_file)
+            refuse_reuse(
+                cfg.out,
+                resuming=bool(cfg.resume),
+                overwrite=cfg.overwrite,
+                metrics_file=cfg.metrics_file,
+            )
             return None
         lock.acquire()
-        refuse_reuse(cfg.out, resuming=bool(cfg.resume), overwrite=cfg.overwrite, metrics_file=cfg.metrics_file)
+        refuse_reuse(
+            cfg.out,
+            resuming=bool(cfg.resume),
+            overwrite=cfg.overwrite,
+            metrics_file=cfg.metrics_file,
+        )
         if cfg.overwrite and not cfg.resume and previous_run(cfg.out, cfg.metrics_file):
             old = move_aside(cfg.out, lock)
             print(f"--overwrite: moved the earlier run to {old}", flush=True)

@@ -1,7 +1,7 @@
 """Silence the one library warning a user of this trainer cannot act on, and nothing else.
 
-    from run.quiet import quiet_known_warnings
-    quiet_known_warnings()      # in train.py, before the model is built
+from run.quiet import quiet_known_warnings
+quiet_known_warnings()      # in train.py, before the model is built
 """
 
 from __future__ import annotations

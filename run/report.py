@@ -48,7 +48,9 @@ def parse_report_to(values: str | list[str] | tuple[str, ...] | None) -> list[st
             if not k or k == "none":
                 continue
             if k not in KINDS:
-                raise ReportError(f"--report-to {k!r}: use none, {', '.join(KINDS)} or a comma-separated list")
+                raise ReportError(
+                    f"--report-to {k!r}: use none, {', '.join(KINDS)} or a comma-separated list"
+                )
             if k not in kinds:
                 kinds.append(k)
     return kinds
@@ -65,18 +67,28 @@ def _import(kind: str):
         if kind == "tensorboard":
             importlib.import_module("tensorboard")  # first, so that its absence is what fails
             from torch.utils.tensorboard import SummaryWriter
+
             return SummaryWriter
         import wandb
+
         return wandb
     except ImportError as e:
-        raise ReportError(f"--report-to {kind} needs the {PIP[kind]} package ({e}); "
-                          f"install it with: python3 -m pip install {PIP[kind]}") from e
+        raise ReportError(
+            f"--report-to {kind} needs the {PIP[kind]} package ({e}); "
+            f"install it with: python3 -m pip install {PIP[kind]}"
+        ) from e
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The record's numeric fields except the step itself; None, booleans and non-finite values are left out."""
-    return {k: float(v) for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k != "step"
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+    }
 
 
 def wandb_mode() -> str:
@@ -99,8 +111,14 @@ def wandb_mode() -> str:
 class Reporter:
     """Sends step records to the asked-for backends; with no kinds it does nothing."""
 
-    def __init__(self, kinds: list[str], out_dir: str, run_name: str | None = None,
-                 config: dict[str, Any] | None = None, first_step: int = 1):
+    def __init__(
+        self,
+        kinds: list[str],
+        out_dir: str,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+        first_step: int = 1,
+    ):
         self.kinds, self.dirs = list(kinds), {}
         self._tb = self._wandb = None
         config = config or {}
@@ -110,13 +128,20 @@ class Reporter:
             # purge_step: events this launch rewrites (a resume) are dropped from the view.
             self._tb = SummaryWriter(self.dirs["tensorboard"], purge_step=first_step)
             text = json.dumps(config, indent=2, default=str)
-            self._tb.add_text("config", "    " + text.replace("\n", "\n    "), global_step=first_step)
+            self._tb.add_text(
+                "config", "    " + text.replace("\n", "\n    "), global_step=first_step
+            )
         if "wandb" in self.kinds:
             wandb = _import("wandb")
             self.dirs["wandb"] = os.path.join(out_dir, "wandb")
             os.makedirs(self.dirs["wandb"], exist_ok=True)
-            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "qwen3-1m"), name=run_name,
-                                     config=config, dir=out_dir, mode=wandb_mode())
+            self._wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "qwen3-1m"),
+                name=run_name,
+                config=config,
+                dir=out_dir,
+                mode=wandb_mode(),
+            )
 
     def log(self, record: dict[str, Any], step: int) -> None:
         values = scalars(record)
@@ -135,7 +160,7 @@ class Reporter:
             self._wandb.finish()
             self._wandb = None
 
-    def __enter__(self) -> "Reporter":
+    def __enter__(self) -> Reporter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -38,15 +38,17 @@ class RunLock:
     def __init__(self, out: str):
         self.out, self.path, self.fd = out, os.path.join(out, ".lock"), None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         os.makedirs(self.out, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise RunDirError(f"--out {self.out} is in use by another run ({holder(self.out)}); wait for it to "
-                              f"finish, stop it, or pass another --out") from None
+            raise RunDirError(
+                f"--out {self.out} is in use by another run ({holder(self.out)}); wait for it to "
+                f"finish, stop it, or pass another --out"
+            ) from None
         # Written only once we hold it: the holder's line is never overwritten by a loser.
         stamp = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         os.ftruncate(fd, 0)
@@ -62,14 +64,19 @@ class RunLock:
 
     def release(self) -> None:
         if self.fd is not None:
-            os.close(self.fd)  # closing drops the flock; the file stays (deleting it races with waiters)
+            os.close(
+                self.fd
+            )  # closing drops the flock; the file stays (deleting it races with waiters)
             self.fd = None
 
 
 def previous_run(out: str, metrics_file: str = "") -> list[str]:
     """What in OUT belongs to an earlier run: a non-empty metrics file, checkpoints, an export."""
     found = []
-    for m in {metrics_file or os.path.join(out, "metrics.jsonl"), os.path.join(out, "metrics.jsonl")}:
+    for m in {
+        metrics_file or os.path.join(out, "metrics.jsonl"),
+        os.path.join(out, "metrics.jsonl"),
+    }:
         if os.path.isfile(m) and os.path.getsize(m) > 0:
             found.append(os.path.relpath(m, out) if m.startswith(out) else m)
     ck = os.path.join(out, "checkpoints")
@@ -86,8 +93,10 @@ def refuse_reuse(out: str, *, resuming: bool, overwrite: bool, metrics_file: str
         return
     found = previous_run(out, metrics_file)
     if found:
-        raise RunDirError(f"--out {out} already holds a run ({', '.join(found)}); continue it with --resume auto, "
-                          f"or pass a new --out (or --overwrite to move the old run aside)")
+        raise RunDirError(
+            f"--out {out} already holds a run ({', '.join(found)}); continue it with --resume auto, "
+            f"or pass a new --out (or --overwrite to move the old run aside)"
+        )
 
 
 def check_out_writable(out: str) -> None:
@@ -98,9 +107,13 @@ def check_out_writable(out: str) -> None:
     while not os.path.exists(probe):  # the nearest existing ancestor must let us create the rest
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
-        raise RunDirError(f"--out {out}: {probe} is a file, so the directory cannot be created; pass another --out")
+        raise RunDirError(
+            f"--out {out}: {probe} is a file, so the directory cannot be created; pass another --out"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise RunDirError(f"--out {out}: {probe} is not writable; pass a directory you can write to")
+        raise RunDirError(
+            f"--out {out}: {probe} is not writable; pass a directory you can write to"
+        )
 
 
 def move_aside(out: str, lock: RunLock) -> str:

@@ -34,7 +34,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "transformers", "train"]
+PRELOAD = [
+    "torch",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "train",
+]
 
 
 def forkserver():
@@ -42,6 +48,7 @@ def forkserver():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     import multiprocessing.forkserver as fs
+
     # The server imports PRELOAD with the environment it starts in; python 3.11 ignores the
     # sys.path it is sent, so ROOT goes on PYTHONPATH for the start (train.py lives there).
     old = os.environ.get("PYTHONPATH")
@@ -69,6 +76,7 @@ def _join(procs, timeout: float, what: str) -> int:
     blocked in a collective with a dead peer would wait for its timeout). Returns that first
     failure's exit code, else 0."""
     from multiprocessing.connection import wait
+
     deadline, running, code = time.monotonic() + timeout, list(procs), 0
     while running:
         if not wait([p.sentinel for p in running], timeout=max(0.0, deadline - time.monotonic())):
@@ -90,8 +98,12 @@ def _join(procs, timeout: float, what: str) -> int:
 # A function in N gloo processes
 # ---------------------------------------------------------------------------------------------
 def _entry(rank, fn, world_size, out_dir, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     torch.set_num_threads(1)  # 2-core machines run up to 4 processes
     store = os.path.join(out_dir, "rendezvous")  # a FileStore: no port to race for
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -105,30 +117,49 @@ def _entry(rank, fn, world_size, out_dir, args):
 def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     forkserver()
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(fn, world_size, out_dir, args),
-                                 nprocs=world_size, join=False, start_method="forkserver")
+        ctx = mp.start_processes(
+            _entry,
+            args=(fn, world_size, out_dir, args),
+            nprocs=world_size,
+            join=False,
+            start_method="forkserver",
+        )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):  # raises ProcessRaisedException if a rank failed
             if time.monotonic() > deadline:
                 for p in ctx.processes:
                     p.kill()
-                raise TimeoutError(f"distributed test with {world_size} processes hung for {timeout:.0f} s")
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+                raise TimeoutError(
+                    f"distributed test with {world_size} processes hung for {timeout:.0f} s"
+                )
+        return [
+            torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)
+            for r in range(world_size)
+        ]
 
 
 # ---------------------------------------------------------------------------------------------
 # train.py on N ranks
 # ---------------------------------------------------------------------------------------------
-def _train_rank(rank: int, nproc: int, port: int, argv: list, env: dict, out: str, err: str) -> None:
+def _train_rank(
+    rank: int, nproc: int, port: int, argv: list, env: dict, out: str, err: str
+) -> None:
     # Both streams of every rank go to one file each, appended in the order written, as torchrun
     # interleaves its workers' output.
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), fd)
     os.environ.update(env)
     if nproc > 1:  # torchrun's environment; one process gets none, like a plain `python train.py`
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                          GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          TORCHELASTIC_USE_AGENT_STORE="True")
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(nproc),
+            LOCAL_WORLD_SIZE=str(nproc),
+            GROUP_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+        )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     sys.argv, code = ["train.py", *argv], 0
     os.chdir(ROOT)
@@ -136,8 +167,11 @@ def _train_rank(rank: int, nproc: int, port: int, argv: list, env: dict, out: st
         runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:  # train.py's own handler turns errors into exit codes; this is a safety net
+    except (
+        BaseException
+    ):  # train.py's own handler turns errors into exit codes; this is a safety net
         import traceback
+
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
@@ -145,18 +179,29 @@ def _train_rank(rank: int, nproc: int, port: int, argv: list, env: dict, out: st
     sys.exit(code)  # multiprocessing ends the process with os._exit: no interpreter teardown
 
 
-def run_train(nproc: int, *argv: str, env: dict | None = None, timeout: float = 300.0,
-              check: bool = True) -> subprocess.CompletedProcess:
+def run_train(
+    nproc: int, *argv: str, env: dict | None = None, timeout: float = 300.0, check: bool = True
+) -> subprocess.CompletedProcess:
     """train.py FLAGS on nproc ranks (see the module docstring); returncode: the exit code of the
     first rank to fail, else 0. check=True raises with the output unless it is 0."""
-    env = {"OMP_NUM_THREADS": "1", "QWEN3_1M_CACHE": os.path.join(tempfile.gettempdir(), "qwen3-1m-tests"),
-           **(env or {})}  # a token cache never lands in the real home
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "QWEN3_1M_CACHE": os.path.join(tempfile.gettempdir(), "qwen3-1m-tests"),
+        **(env or {}),
+    }  # a token cache never lands in the real home
     ctx = forkserver()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nproc > 1 else None
+    store = (
+        dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if nproc > 1 else None
+    )
     with tempfile.TemporaryDirectory() as d:
         out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
-        procs = [ctx.Process(target=_train_rank, args=(r, nproc, store.port if store else 0, list(argv), env, out, err))
-                 for r in range(nproc)]
+        procs = [
+            ctx.Process(
+                target=_train_rank,
+                args=(r, nproc, store.port if store else 0, list(argv), env, out, err),
+            )
+            for r in range(nproc)
+        ]
         for p in procs:
             p.start()
         code = _join(procs, timeout, f"train.py {' '.join(argv)} on {nproc} processes")
@@ -164,6 +209,8 @@ def run_train(nproc: int, *argv: str, env: dict | None = None, timeout: float = 
         stdout, stderr = (open(f).read() if os.path.exists(f) else "" for f in (out, err))
     p = subprocess.CompletedProcess(["train.py", *argv], code, stdout, stderr)
     if check and code != 0:
-        raise AssertionError(f"train.py {' '.join(argv)} on {nproc} processes failed ({codes}):\n"
-                             f"{stdout[-3000:]}\n{stderr[-5000:]}")
+        raise AssertionError(
+            f"train.py {' '.join(argv)} on {nproc} processes failed ({codes}):\n"
+            f"{stdout[-3000:]}\n{stderr[-5000:]}"
+        )
     return p

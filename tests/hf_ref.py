@@ -8,7 +8,11 @@ from model.config import Qwen3Config
 
 
 def hf_config(cfg: Qwen3Config) -> transformers.Qwen3Config:
-    d = {k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type", "torch_dtype")}
+    d = {
+        k: v
+        for k, v in cfg.to_hf().items()
+        if k not in ("architectures", "model_type", "torch_dtype")
+    }
     return transformers.Qwen3Config(**d)
 
 
@@ -32,10 +36,13 @@ def config_variants() -> dict[str, Qwen3Config]:
     """Tiny configs covering the cases the parity tests must hold on."""
     tiny = Qwen3Config.preset("tiny")  # head_dim 32 != 64 / 4, q/kv ratio 2, untied
     from dataclasses import replace
+
     return {
         "untied-gqa2": tiny,
         "tied-mha": replace(tiny, tie_word_embeddings=True, num_key_value_heads=4),
-        "gqa4-hd16": replace(tiny, num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=301),
+        "gqa4-hd16": replace(
+            tiny, num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=301
+        ),
         "yarn4": tiny.with_yarn(4, 64),
         "yarn32": tiny.with_yarn(32, 16),
     }

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from loss.chunked_ce import chunked_cross_entropy
 from model.offload import tiled_mlp
 
-U = 2.0 ** -8  # bf16 machine epsilon (8 significant bits); one rounding is at most u/2 relative
+U = 2.0**-8  # bf16 machine epsilon (8 significant bits); one rounding is at most u/2 relative
 
 
 def rel(a, b):
@@ -46,22 +46,32 @@ def test_chunked_ce_weight_gradient_accumulates_in_fp32():
     n, chunk, v, h = 4096, 32, 512, 64
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64).bfloat16()
-    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) * (3 / h ** 0.5)).bfloat16()
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) * (3 / h**0.5)).bfloat16()
     labels = torch.randint(0, v, (n,), generator=g)
 
     w = weight.clone().requires_grad_()
     got = torch.autograd.grad(chunked_cross_entropy(hidden, w, labels, chunk_size=chunk), w)[0]
     w64 = weight.double().requires_grad_()
-    exact = torch.autograd.grad(F.cross_entropy(hidden.double() @ w64.T, labels, reduction="sum"), w64)[0]
+    exact = torch.autograd.grad(
+        F.cross_entropy(hidden.double() @ w64.T, labels, reduction="sum"), w64
+    )[0]
 
     parts = []
     for s in range(0, n, chunk):  # one chunk per call: its gradient is that chunk's bf16 product
         w = weight.clone().requires_grad_()
-        parts.append(torch.autograd.grad(chunked_cross_entropy(hidden[s:s + chunk], w, labels[s:s + chunk],
-                                                               chunk_size=chunk), w)[0])
+        parts.append(
+            torch.autograd.grad(
+                chunked_cross_entropy(
+                    hidden[s : s + chunk], w, labels[s : s + chunk], chunk_size=chunk
+                ),
+                w,
+            )[0]
+        )
     fp32_sum, bf16_sum = _sums(parts)
-    print(f"lm_head grad error / u: ours {rel(got, exact) / U:.2f}, fp32 sum {rel(fp32_sum, exact) / U:.2f}, "
-          f"bf16 sum {rel(bf16_sum, exact) / U:.2f}")
+    print(
+        f"lm_head grad error / u: ours {rel(got, exact) / U:.2f}, fp32 sum {rel(fp32_sum, exact) / U:.2f}, "
+        f"bf16 sum {rel(bf16_sum, exact) / U:.2f}"
+    )
     assert len(parts) >= 64 and got.dtype == torch.bfloat16
     assert rel(got, exact) < 1.5 * U, f"{rel(got, exact) / U:.2f}u"
     assert torch.equal(got, fp32_sum)  # ours is exactly the fp32 sum of the chunks' products
@@ -82,9 +92,11 @@ def test_tiled_mlp_weight_gradients_accumulate_in_fp32():
     n, tile, hd, inter = 2048, 16, 32, 64
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, hd, generator=g).bfloat16()
-    ws = [(torch.randn(inter, hd, generator=g) / hd ** 0.5).bfloat16(),
-          (torch.randn(inter, hd, generator=g) / hd ** 0.5).bfloat16(),
-          (torch.randn(hd, inter, generator=g) / inter ** 0.5).bfloat16()]
+    ws = [
+        (torch.randn(inter, hd, generator=g) / hd**0.5).bfloat16(),
+        (torch.randn(inter, hd, generator=g) / hd**0.5).bfloat16(),
+        (torch.randn(hd, inter, generator=g) / inter**0.5).bfloat16(),
+    ]
     dy = torch.randn(n, hd, generator=g).bfloat16()
 
     def grads(xs, dys):
@@ -95,7 +107,7 @@ def test_tiled_mlp_weight_gradients_accumulate_in_fp32():
     w64 = [w.double().requires_grad_() for w in ws]
     y64 = F.linear(F.silu(x.double() @ w64[0].T) * (x.double() @ w64[1].T), w64[2])
     exact = torch.autograd.grad(y64, w64, dy.double())
-    per_tile = [grads(x[s:s + tile], dy[s:s + tile]) for s in range(0, n, tile)]
+    per_tile = [grads(x[s : s + tile], dy[s : s + tile]) for s in range(0, n, tile)]
     assert len(per_tile) >= 64
     for i, name in enumerate(("gate", "up", "down")):
         fp32_sum, bf16_sum = _sums([t[i] for t in per_tile])

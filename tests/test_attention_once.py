@@ -13,10 +13,10 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import run_distributed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dist_utils import run_distributed
 from model.attention import MATH_MAX_TOKENS, AttentionStore, attention, pick_backend, set_backend
 from model.config import Qwen3Config
 from model.offload import apply_offload, host_block_bytes
@@ -74,7 +74,9 @@ def _grads(m):
 
 
 def _max_rel(a: dict, b: dict) -> float:
-    return max(((a[n].double() - b[n].double()).abs().max() / b[n].double().abs().max()).item() for n in b)
+    return max(
+        ((a[n].double() - b[n].double()).abs().max() / b[n].double().abs().max()).item() for n in b
+    )
 
 
 # ---- the attention core against SDPA --------------------------------------------------------------
@@ -86,8 +88,13 @@ def _qkv(dtype, nh, nkv, t=37, hd=16, seed=0):
 
 
 def _sdpa(q, k, v):
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True, enable_gqa=q.shape[2] != k.shape[2])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        is_causal=True,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
     return out.transpose(1, 2)
 
 
@@ -117,7 +124,7 @@ def test_core_matches_sdpa(backend, heads):
     got = _run(lambda q, k, v: attention(q, k, v, backend=backend), qkv, dout)
     for a, s, e in zip(got, sdpa_bf16, exact):
         assert a.dtype == torch.bfloat16
-        bound = max(2 * (s.double() - e).abs().max().item(), 2 ** -8 * e.abs().max().item())
+        bound = max(2 * (s.double() - e).abs().max().item(), 2**-8 * e.abs().max().item())
         assert (a.double() - e).abs().max().item() <= bound
 
 
@@ -136,7 +143,10 @@ def test_pinned_backend_and_misuse():
         set_backend(None)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
-    with sdpa_kernel(SDPBackend.MATH), CountAttention() as c:  # unpinned: torch's switches are obeyed
+    with (
+        sdpa_kernel(SDPBackend.MATH),
+        CountAttention() as c,
+    ):  # unpinned: torch's switches are obeyed
         got = _run(attention, qkv, dout)
     assert c.fwd == c.bwd == 0
     with pytest.raises(ValueError, match="unknown"):
@@ -153,6 +163,7 @@ def _probe(usable, calls=None):
         if calls is not None:
             calls.append((name, device.type, dtype, nh, nkv, hd))
         return name in usable
+
     return can_use
 
 
@@ -167,10 +178,18 @@ def test_pick_backend():
     with pytest.raises(ValueError, match="neither cuDNN nor flash attention can run torch.float32"):
         pick_backend("cuda", torch.float32, **kw, can_use=_probe(set()))
     with pytest.raises(ValueError, match="stops at 8192 tokens"):
-        pick_backend("cuda", torch.float32, **kw, seq_len=MATH_MAX_TOKENS + 1, can_use=_probe({"math"}))
-    assert pick_backend("cuda", torch.float32, **kw, seq_len=MATH_MAX_TOKENS, can_use=_probe({"math"})) == "math"
+        pick_backend(
+            "cuda", torch.float32, **kw, seq_len=MATH_MAX_TOKENS + 1, can_use=_probe({"math"})
+        )
+    assert (
+        pick_backend("cuda", torch.float32, **kw, seq_len=MATH_MAX_TOKENS, can_use=_probe({"math"}))
+        == "math"
+    )
     # a named backend must run, and only where it exists
-    assert pick_backend("cuda", bf16, **kw, request="flash", can_use=_probe({"cudnn", "flash"})) == "flash"
+    assert (
+        pick_backend("cuda", bf16, **kw, request="flash", can_use=_probe({"cudnn", "flash"}))
+        == "flash"
+    )
     with pytest.raises(ValueError, match="'cudnn' cannot run"):
         pick_backend("cuda", bf16, **kw, request="cudnn", can_use=_probe({"flash"}))
     with pytest.raises(ValueError, match="does not run on cpu"):
@@ -192,7 +211,7 @@ def _step(m, ids, micro=1):
     counts = []
     for i in range(micro):
         with CountAttention() as c:
-            loss = _loss(m, ids if micro == 1 else ids[i:i + 1])
+            loss = _loss(m, ids if micro == 1 else ids[i : i + 1])
             loss.backward()
         counts.append((c.fwd, c.bwd))
     return loss.detach(), _grads(m), counts
@@ -220,7 +239,9 @@ def test_attention_runs_once_with_the_same_gradients(offload, tile):
         kept = (L - 1) * (X + OUT + LSE)
         assert (s_once.d2h_bytes, s_once.h2d_bytes, s_once.pool_bytes) == (kept, kept, kept)
         assert s_once.d2h_copies == s_once.h2d_copies == 3 * (L - 1)
-        assert s_once.prefetched == s_once.h2d_copies  # every copy back started before it was needed
+        assert (
+            s_once.prefetched == s_once.h2d_copies
+        )  # every copy back started before it was needed
         assert s_once.host_allocs == 0 and s_once.in_use_buffers == 0
         assert s_re.d2h_bytes == L * X  # the recompute path: inputs only, as before
     else:
@@ -267,16 +288,26 @@ def test_ten_steps_hold_no_more():
     blocks = (CFG.num_hidden_layers - 1) * sum(-(-n // host_block_bytes(n)) for n in (X, OUT, LSE))
     for step in range(10):
         opt.zero_grad(set_to_none=False)
-        if step % 3 == 2:  # a graph dropped without backward (an exception, say) gives its buffers back
+        if (
+            step % 3 == 2
+        ):  # a graph dropped without backward (an exception, say) gives its buffers back
             _loss(m, _ids(step))
         _loss(m, _ids(step)).backward()
         opt.step()
         s = pool.reset_step()
         seen.append((s.pool_bytes, s.pool_buffers, s.in_use_buffers, len(pool._pending)))
-        assert s.host_allocs == (blocks if step == 0 else 0)  # host blocks: all in step 1, none after
+        assert s.host_allocs == (
+            blocks if step == 0 else 0
+        )  # host blocks: all in step 1, none after
         if step in (1, 9):
             gc.collect()
-            live.append(sum(1 for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter, AttentionStore)))
+            live.append(
+                sum(
+                    1
+                    for o in gc.get_objects()
+                    if type(o) in (torch.Tensor, torch.nn.Parameter, AttentionStore)
+                )
+            )
     kept = (CFG.num_hidden_layers - 1) * (X + OUT + LSE)
     assert set(seen) == {(kept, blocks, 0, 0)}, seen
     assert live[0] == live[1]  # no tensor or store accumulates from step 2 to step 10
@@ -294,7 +325,9 @@ def _sp_worker(rank, world):
     from model.ulysses import UlyssesAttention
 
     mesh = build_mesh(world, sp=world, device_type="cpu")
-    rows = [_ids(20 + i, batch=1, t=SP_T + 1, vocab=SP_CFG.vocab_size) for i in range(2)]  # 2 micro-steps
+    rows = [
+        _ids(20 + i, batch=1, t=SP_T + 1, vocab=SP_CFG.vocab_size) for i in range(2)
+    ]  # 2 micro-steps
     sl = slice(rank * SP_T // world, (rank + 1) * SP_T // world)
     out = {}
     for save in (False, True):
@@ -309,8 +342,11 @@ def _sp_worker(rank, world):
             pos = torch.arange(SP_T)[sl][None]
             with CountAttention() as c:
                 hidden = m(ids, pos)
-                loss = F.cross_entropy(F.linear(hidden, m.lm_head.weight).flatten(0, 1), labels.flatten(),
-                                       reduction="sum") / (2 * SP_T)
+                loss = F.cross_entropy(
+                    F.linear(hidden, m.lm_head.weight).flatten(0, 1),
+                    labels.flatten(),
+                    reduction="sum",
+                ) / (2 * SP_T)
                 loss.backward()
             counts.append((c.fwd, c.bwd))
         grads = {n: p.grad.full_tensor() for n, p in m.named_parameters()}
@@ -325,7 +361,10 @@ def test_ulysses_fsdp_once_equals_recompute_and_one_process():
     rows = [_ids(20 + i, batch=1, t=SP_T + 1, vocab=SP_CFG.vocab_size) for i in range(2)]
     for row in rows:  # one process, the whole row, no checkpointing
         logits = F.linear(ref(row[:, :-1]), ref.lm_head.weight)
-        (F.cross_entropy(logits.flatten(0, 1), row[:, 1:].flatten(), reduction="sum") / (2 * SP_T)).backward()
+        (
+            F.cross_entropy(logits.flatten(0, 1), row[:, 1:].flatten(), reduction="sum")
+            / (2 * SP_T)
+        ).backward()
     g_ref = _grads(ref)
     L = SP_CFG.num_hidden_layers
     for rank_out in run_distributed(_sp_worker, 2):
@@ -350,17 +389,24 @@ def test_cuda_backend_matches_fp64(backend):
     except ValueError as e:
         pytest.skip(str(e))
     g = torch.Generator(device="cuda").manual_seed(0)
-    qkv = [torch.randn(1, 2048, h, 128, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
-           for h in (4, 1, 1)]
+    qkv = [
+        torch.randn(
+            1, 2048, h, 128, generator=g, device="cuda", dtype=torch.bfloat16
+        ).requires_grad_()
+        for h in (4, 1, 1)
+    ]
     dout = torch.randn(1, 2048, 4, 128, generator=g, device="cuda", dtype=torch.bfloat16)
-    exact = _run(lambda q, k, v: attention(q, k, v, backend="math"),
-                 [x.detach().double().requires_grad_() for x in qkv], dout.double())
+    exact = _run(
+        lambda q, k, v: attention(q, k, v, backend="math"),
+        [x.detach().double().requires_grad_() for x in qkv],
+        dout.double(),
+    )
     sdpa_bf16 = _run(_sdpa, qkv, dout)
     with CountAttention() as c:
         got = _run(lambda q, k, v: attention(q, k, v, backend=backend), qkv, dout)
     assert (c.fwd, c.bwd) == (1, 1)
     for a, s, e in zip(got, sdpa_bf16, exact):
-        bound = max(2 * (s.double() - e).abs().max().item(), 2 ** -8 * e.abs().max().item())
+        bound = max(2 * (s.double() - e).abs().max().item(), 2**-8 * e.abs().max().item())
         assert (a.double() - e).abs().max().item() <= bound
 
 
@@ -384,4 +430,6 @@ def test_cuda_attention_once_with_offload():
             assert s.prefetched == s.h2d_copies == s.d2h_copies == 3 * (L - 1)
         res[save] = (loss, g)
     for n, g in res[False][1].items():  # cuDNN's backward may sum in another order: bf16 tolerance
-        torch.testing.assert_close(res[True][1][n].float(), g.float(), rtol=0.02, atol=0.02 * g.abs().max().item())
+        torch.testing.assert_close(
+            res[True][1][n].float(), g.float(), rtol=0.02, atol=0.02 * g.abs().max().item()
+        )

@@ -9,14 +9,14 @@ from torch.utils._pytree import tree_leaves
 
 from loss.chunked_ce import chunked_cross_entropy
 
-BF16_U = 2.0 ** -8  # bf16 unit roundoff (8 significant bits)
+BF16_U = 2.0**-8  # bf16 unit roundoff (8 significant bits)
 
 
 def make(n, h, v, dtype=torch.float64, *, ignored=0.0, seed=0, device="cpu"):
     """hidden [n, h], weight [v, h] with logits of spread ~3, labels [n] with a share ignored."""
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=g, dtype=torch.float64)
-    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (3 / h ** 0.5)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) * (3 / h**0.5)
     labels = torch.randint(0, v, (n,), generator=g)
     labels[torch.rand(n, generator=g) < ignored] = -100
     to = dict(dtype=dtype, device=device)
@@ -86,6 +86,7 @@ def test_bfloat16_fused_products_path(monkeypatch):
     """The CUDA path (bf16 products with fp32 output and in-place fp32 accumulation through
     out_dtype), run on CPU by giving torch.mm / torch.addmm an emulated out_dtype."""
     import loss.chunked_ce as ce
+
     mm = torch.mm
 
     def fake_mm(a, b, *, out_dtype=None, out=None):
@@ -147,7 +148,8 @@ def test_gradcheck():
     for reduction in ("sum", "mean"):
         assert torch.autograd.gradcheck(
             lambda h, w: chunked_cross_entropy(h, w, labels, chunk_size=3, reduction=reduction),
-            (hidden, weight))
+            (hidden, weight),
+        )
 
 
 def test_backward_scales_by_incoming_gradient_and_can_repeat():
@@ -192,8 +194,10 @@ def test_never_allocates_n_by_v(dtype, ignored):
     assert naive.largest >= n * v
 
 
-@pytest.mark.parametrize("need_h,need_w,products", [
-    (True, True, 3), (False, True, 2), (True, False, 2), (False, False, 1)])
+@pytest.mark.parametrize(
+    "need_h,need_w,products",
+    [(True, True, 3), (False, True, 2), (True, False, 2), (False, False, 1)],
+)
 def test_skips_gradients_nobody_needs(need_h, need_w, products):
     """Three matrix products per chunk with both gradients, fewer when one is not wanted."""
     hidden, weight, labels = make(100, 8, 50, ignored=0.1)
@@ -242,7 +246,7 @@ def test_cuda_bfloat16_accuracy_and_memory():
     # chunk x V fp32 logits and log-probabilities and bf16 p; V x H fp32 accumulator, bf16
     # product (only without fused addmm) and bf16 gradient; N x H saved and returned hidden
     # gradients; 8 MB for the allocator's rounding.
-    budget = chunk * v * (4 + 4 + 2) + v * h * (4 + 2 + 2) + n * h * 2 * 2 + 8 * 2 ** 20
+    budget = chunk * v * (4 + 4 + 2) + v * h * (4 + 2 + 2) + n * h * 2 * 2 + 8 * 2**20
     assert peak <= budget, (peak, budget)
     exact = reference(hidden.cpu(), weight.cpu(), labels.cpu(), "mean")
     for name, g, w in zip(("loss", "grad hidden", "grad weight"), got, exact):

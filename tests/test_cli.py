@@ -11,10 +11,10 @@ import os
 import re
 
 import pytest
-
-import train
 from dist_utils import run_train
 from test_train import metrics as _metrics
+
+import train
 
 STEPS, EVERY = 6, 2
 
@@ -24,8 +24,22 @@ def demo(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
     tb = ["--report-to", "tensorboard"] if _has("tensorboard") else []
     out = tmp / "demo"
-    p = run_train(1, "--preset", "demo", "--steps", str(STEPS), "--sp", "1", "--save-every", str(EVERY),
-                  "--keep-checkpoints", "2", "--out", str(out), *tb)
+    p = run_train(
+        1,
+        "--preset",
+        "demo",
+        "--steps",
+        str(STEPS),
+        "--sp",
+        "1",
+        "--save-every",
+        str(EVERY),
+        "--keep-checkpoints",
+        "2",
+        "--out",
+        str(out),
+        *tb,
+    )
     return tmp, out, p
 
 
@@ -44,7 +58,9 @@ def test_help_documents_every_flag_default_choices_and_presets():
     p = run_train(1, "-h", env={"COLUMNS": "200"})
     text = p.stdout
     # argparse's layout: each flag's help is the text from its option line to the next option line
-    blocks = dict(re.findall(r"^  (--[\w-]+)[^\n]*?(?:  +|\n\s+)(.*?)(?=^  -|\Z)", text, re.S | re.M))
+    blocks = dict(
+        re.findall(r"^  (--[\w-]+)[^\n]*?(?:  +|\n\s+)(.*?)(?=^  -|\Z)", text, re.S | re.M)
+    )
     for f in dataclasses.fields(train.TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         assert f.metadata.get("help"), f"{flag} has no help: declare it with arg(default, help)"
@@ -69,25 +85,44 @@ def test_demo_says_what_it_does_and_what_happened(demo):
     m = _metrics(out)
     assert [r["step"] for r in m] == list(range(1, STEPS + 1))
     # one summary line, not the config as JSON; then what the demo trains and what to watch
-    assert lines[0].startswith(f"config: {out}/config.json | model demo") and not any(x.startswith("{") for x in lines)
+    assert lines[0].startswith(f"config: {out}/config.json | model demo") and not any(
+        x.startswith("{") for x in lines
+    )
     step1 = next(i for i, x in enumerate(lines) if x.startswith("step "))
-    assert any(x.startswith("demo: ") for x in lines[:step1]) and any(x.startswith("watch: ") for x in lines[:step1])
+    assert any(x.startswith("demo: ") for x in lines[:step1]) and any(
+        x.startswith("watch: ") for x in lines[:step1]
+    )
     # the step lines: the numbers of metrics.jsonl, with units, one loss column
     steps = [x for x in lines if x.startswith("step ")]
     assert len(steps) == STEPS
     for x, r in zip(steps, m):
-        assert x.startswith(f"step {r['step']:>4}/{STEPS} | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} | "
-                            f"lr {r['lr']:.2e} | {r['tokens']:,} tokens | {r['step_time_s']:.2f} s | "
-                            f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"), x
+        assert x.startswith(
+            f"step {r['step']:>4}/{STEPS} | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} | "
+            f"lr {r['lr']:.2e} | {r['tokens']:,} tokens | {r['step_time_s']:.2f} s | "
+            f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
+        ), x
         assert x.count("loss") == 1
     # the closing summary: first and last loss as metrics.jsonl has them, and where the outputs are
-    got = re.search(r"^loss on the predictable labels: (\S+) at step (\d+) -> (\S+) at step (\d+)", p.stdout, re.M)
+    got = re.search(
+        r"^loss on the predictable labels: (\S+) at step (\d+) -> (\S+) at step (\d+)",
+        p.stdout,
+        re.M,
+    )
     assert got, p.stdout[-2000:]
     assert (got[1], int(got[2])) == (f"{m[0]['loss']:.4f}", m[0]["step"])
     assert (got[3], int(got[4])) == (f"{m[-1]['loss']:.4f}", m[-1]["step"])
     where = lines[-1]
-    assert where.startswith(f"outputs in {out}/") and f'AutoModelForCausalLM.from_pretrained("{out}/final")' in where
-    for name in ("metrics.jsonl", "config.json", "checkpoints", "final/model.safetensors", "final/config.json"):
+    assert (
+        where.startswith(f"outputs in {out}/")
+        and f'AutoModelForCausalLM.from_pretrained("{out}/final")' in where
+    )
+    for name in (
+        "metrics.jsonl",
+        "config.json",
+        "checkpoints",
+        "final/model.safetensors",
+        "final/config.json",
+    ):
         assert os.path.exists(out / name), name
     assert "DTensor random operators" not in p.stderr  # quiet_known_warnings()
 
@@ -100,6 +135,7 @@ def test_demo_export_loads_in_transformers(demo):
     from model.config import Qwen3Config
     from model.qwen3 import Qwen3
     from model.weights import load_safetensors
+
     _, out, _ = demo
     hf = AutoModelForCausalLM.from_pretrained(str(out / "final"), torch_dtype=torch.float32)
     ours = Qwen3(Qwen3Config.from_hf(str(out / "final")))
@@ -111,7 +147,9 @@ def test_demo_export_loads_in_transformers(demo):
 
 def test_one_line_per_checkpoint_written(demo):
     _, out, p = demo
-    written = [int(s) for s in re.findall(r"^checkpoint: \S+/step_(\d+) \(step (?:\d+)\)$", p.stdout, re.M)]
+    written = [
+        int(s) for s in re.findall(r"^checkpoint: \S+/step_(\d+) \(step (?:\d+)\)$", p.stdout, re.M)
+    ]
     assert written == list(range(EVERY, STEPS + 1, EVERY)), p.stdout[-2000:]  # the last one too
     kept = sorted(d for d in os.listdir(out / "checkpoints") if d.startswith("step_"))
     assert kept == [f"step_{s:06d}" for s in written[-2:]]  # --keep-checkpoints 2
@@ -129,8 +167,9 @@ def test_config_json_reruns_the_same_run(demo):
     assert cfg == dataclasses.replace(train.TrainConfig(**saved), out=str(again))
     run_train(1, "--config", str(out / "config.json"), "--out", str(again), "--report-to", "none")
     a, b = _metrics(out), _metrics(again)
-    assert [(r["loss"], r["grad_norm"], r["lr"], r["tokens"]) for r in a] == \
-           [(r["loss"], r["grad_norm"], r["lr"], r["tokens"]) for r in b]
+    assert [(r["loss"], r["grad_norm"], r["lr"], r["tokens"]) for r in a] == [
+        (r["loss"], r["grad_norm"], r["lr"], r["tokens"]) for r in b
+    ]
     resaved = json.load(open(again / "config.json"))
     assert {**resaved, "out": saved["out"], "report_to": saved["report_to"]} == saved
 
@@ -148,6 +187,7 @@ def test_config_with_unknown_field_is_refused(tmp_path):
 def test_tensorboard_has_the_losses_of_metrics_jsonl(demo):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
     _, out, _ = demo
     acc = EventAccumulator(str(out / "tensorboard"), size_guidance={SCALARS: 0})
     acc.Reload()
@@ -155,4 +195,6 @@ def test_tensorboard_has_the_losses_of_metrics_jsonl(demo):
     for field in ("loss", "grad_norm", "tokens_per_s_per_gpu"):
         events = acc.Scalars(field)
         assert [e.step for e in events] == [r["step"] for r in m], field
-        assert [e.value for e in events] == pytest.approx([r[field] for r in m], rel=1e-6), field  # float32
+        assert [e.value for e in events] == pytest.approx([r[field] for r in m], rel=1e-6), (
+            field
+        )  # float32

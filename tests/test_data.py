@@ -24,13 +24,39 @@ SEQ = 63  # rows of 64 tokens
 
 # ---- fixtures: corpus, tokenizer, files -------------------------------------------------------
 
+
 def _make_books(n=10, seed=0):
     rng = np.random.default_rng(seed)
-    words = ["the", "a", "ship", "sailed", "north", "and", "we", "saw", "ice", "café", "naïve", "—",
-             "“quoted”", "it", "was", "cold", "morning", "letter", "captain", "wrote", "of", "sea"]
+    words = [
+        "the",
+        "a",
+        "ship",
+        "sailed",
+        "north",
+        "and",
+        "we",
+        "saw",
+        "ice",
+        "café",
+        "naïve",
+        "—",
+        "“quoted”",
+        "it",
+        "was",
+        "cold",
+        "morning",
+        "letter",
+        "captain",
+        "wrote",
+        "of",
+        "sea",
+    ]
     books = []
     for i in range(n):
-        paras = [" ".join(rng.choice(words, size=rng.integers(5, 60))) + "." for _ in range(rng.integers(3, 25))]
+        paras = [
+            " ".join(rng.choice(words, size=rng.integers(5, 60))) + "."
+            for _ in range(rng.integers(3, 25))
+        ]
         books.append(f"BOOK {i}\n\n" + "\n\n".join(paras) + ("\n" if i % 2 else "  \n\n"))
     return books
 
@@ -42,9 +68,15 @@ def _train_tokenizer(books, out_dir, vocab_size=300, eos=EOS, max_len=None, trun
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(books, trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        books,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[EOS],
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     if truncate_at:
         tok.enable_truncation(truncate_at)
     kwargs = {"eos_token": eos} if eos else {}
@@ -78,7 +110,11 @@ def corpus(books, tmp_path_factory):
         for i, b in enumerate(books):
             f.write(json.dumps({"id": i, "text": b}) + "\n")
     pq.write_table(pa.table({"text": books, "id": list(range(len(books)))}), root / "books.parquet")
-    return {"txt": str(root / "txt"), "jsonl": str(root / "books.jsonl"), "parquet": str(root / "books.parquet")}
+    return {
+        "txt": str(root / "txt"),
+        "jsonl": str(root / "books.jsonl"),
+        "parquet": str(root / "books.parquet"),
+    }
 
 
 def expected_stream(tok_dir, books, seed):
@@ -87,8 +123,9 @@ def expected_stream(tok_dir, books, seed):
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     order = np.random.default_rng(seed).permutation(len(books))
-    return np.concatenate([tok(books[i], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                           for i in order])
+    return np.concatenate(
+        [tok(books[i], add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for i in order]
+    )
 
 
 @pytest.fixture
@@ -115,25 +152,35 @@ def forbid_tokenising(monkeypatch):
 
 # ---- rows from text --------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", ["txt", "jsonl", "parquet"])
 def test_rows_reproduce_the_joined_books(fmt, corpus, books, tok_dir, tmp_path):
     seed = 3
     stream = expected_stream(tok_dir, books, seed)
     num_rows = len(stream) // (SEQ + 1) - 1  # nearly all the text: books carry across rows
-    rows = data.build_rows(corpus[fmt], tok_dir, SEQ, num_rows, cache_dir=str(tmp_path), seed=seed,
-                           progress=False)
+    rows = data.build_rows(
+        corpus[fmt], tok_dir, SEQ, num_rows, cache_dir=str(tmp_path), seed=seed, progress=False
+    )
     assert rows.built and rows.shape == (num_rows, SEQ + 1) and rows.tokens.dtype == np.uint32
     assert all(len(rows[i]) == SEQ + 1 for i in range(len(rows)))
-    np.testing.assert_array_equal(rows.tokens.reshape(-1), stream[:num_rows * (SEQ + 1)])
+    np.testing.assert_array_equal(rows.tokens.reshape(-1), stream[: num_rows * (SEQ + 1)])
     assert rows.meta["eos_id"] == 0 and rows.meta["documents"] == len(books)
 
 
 def test_seed_sets_the_book_order(corpus, books, tok_dir, tmp_path):
-    a = data.build_rows(corpus["jsonl"], tok_dir, SEQ, 5, cache_dir=str(tmp_path), seed=0, progress=False)
-    b = data.build_rows(corpus["jsonl"], tok_dir, SEQ, 5, cache_dir=str(tmp_path), seed=1, progress=False)
+    a = data.build_rows(
+        corpus["jsonl"], tok_dir, SEQ, 5, cache_dir=str(tmp_path), seed=0, progress=False
+    )
+    b = data.build_rows(
+        corpus["jsonl"], tok_dir, SEQ, 5, cache_dir=str(tmp_path), seed=1, progress=False
+    )
     assert a.built and b.built and a.path != b.path
-    np.testing.assert_array_equal(a.tokens.reshape(-1), expected_stream(tok_dir, books, 0)[:5 * (SEQ + 1)])
-    np.testing.assert_array_equal(b.tokens.reshape(-1), expected_stream(tok_dir, books, 1)[:5 * (SEQ + 1)])
+    np.testing.assert_array_equal(
+        a.tokens.reshape(-1), expected_stream(tok_dir, books, 0)[: 5 * (SEQ + 1)]
+    )
+    np.testing.assert_array_equal(
+        b.tokens.reshape(-1), expected_stream(tok_dir, books, 1)[: 5 * (SEQ + 1)]
+    )
     assert not np.array_equal(a.tokens, b.tokens)
 
 
@@ -146,26 +193,42 @@ def test_tokenisation_stops_when_rows_are_full(corpus, tok_dir, tmp_path, count_
 def test_too_little_text_says_how_much(corpus, books, tok_dir, tmp_path):
     have = len(expected_stream(tok_dir, books, 0))
     with pytest.raises(ValueError) as err:
-        data.build_rows(corpus["parquet"], tok_dir, SEQ, 10_000, cache_dir=str(tmp_path), progress=False)
+        data.build_rows(
+            corpus["parquet"], tok_dir, SEQ, 10_000, cache_dir=str(tmp_path), progress=False
+        )
     msg = str(err.value)
-    assert f"10 documents gave {have:,} tokens" in msg and f"10000 rows of 64 tokens need {640_000:,}" in msg
+    assert (
+        f"10 documents gave {have:,} tokens" in msg
+        and f"10000 rows of 64 tokens need {640_000:,}" in msg
+    )
     assert not [f for f in os.listdir(tmp_path) if f.endswith((".npy", ".json")) or ".tmp" in f]
 
 
 def test_tokenizer_without_eos_is_refused(corpus, books, tmp_path):
     no_eos = _train_tokenizer(books, tmp_path / "tok", eos=None)
     with pytest.raises(ValueError, match="no eos_token"):
-        data.build_rows(corpus["jsonl"], no_eos, SEQ, 2, cache_dir=str(tmp_path / "c"), progress=False)
+        data.build_rows(
+            corpus["jsonl"], no_eos, SEQ, 2, cache_dir=str(tmp_path / "c"), progress=False
+        )
     # ... unless the separator is named explicitly.
-    rows = data.build_rows(corpus["jsonl"], no_eos, SEQ, 2, cache_dir=str(tmp_path / "c"),
-                           eos_token=EOS, progress=False)
+    rows = data.build_rows(
+        corpus["jsonl"],
+        no_eos,
+        SEQ,
+        2,
+        cache_dir=str(tmp_path / "c"),
+        eos_token=EOS,
+        progress=False,
+    )
     assert rows.meta["eos_id"] == 0
 
 
 def test_no_truncation_and_no_length_warning(corpus, books, tmp_path, caplog):
     # A tokenizer that would truncate at 8 tokens and warn above 16 when called the usual way.
     short = _train_tokenizer(books, tmp_path / "tok", max_len=16, truncate_at=8)
-    rows = data.build_rows(corpus["jsonl"], short, SEQ, 20, cache_dir=str(tmp_path / "c"), progress=False)
+    rows = data.build_rows(
+        corpus["jsonl"], short, SEQ, 20, cache_dir=str(tmp_path / "c"), progress=False
+    )
     caplog.clear()
     from transformers import AutoTokenizer
 
@@ -174,9 +237,10 @@ def test_no_truncation_and_no_length_warning(corpus, books, tmp_path, caplog):
     whole = [tok.backend_tokenizer.encode(books[i], add_special_tokens=False) for i in order]
     assert all(len(e.ids) == 8 for e in whole)  # the saved tokenizer really truncates
     tok.backend_tokenizer.no_truncation()
-    stream = np.concatenate([tok.backend_tokenizer.encode(books[i], add_special_tokens=False).ids + [0]
-                             for i in order])
-    np.testing.assert_array_equal(rows.tokens.reshape(-1), stream[:20 * (SEQ + 1)])
+    stream = np.concatenate(
+        [tok.backend_tokenizer.encode(books[i], add_special_tokens=False).ids + [0] for i in order]
+    )
+    np.testing.assert_array_equal(rows.tokens.reshape(-1), stream[: 20 * (SEQ + 1)])
     assert "longer than" not in caplog.text
 
 
@@ -188,9 +252,12 @@ def test_tokenizer_object_and_text_column(tmp_path, books, tok_dir):
     tok = AutoTokenizer.from_pretrained(tok_dir)
     with pytest.raises(ValueError, match="no 'text' column"):
         data.build_rows(str(path), tok, SEQ, 3, cache_dir=str(tmp_path / "c"), progress=False)
-    rows = data.build_rows(str(path), tok, SEQ, 3, cache_dir=str(tmp_path / "c"), text_column="content",
-                           progress=False)
-    np.testing.assert_array_equal(rows.tokens.reshape(-1), expected_stream(tok_dir, books, 0)[:3 * (SEQ + 1)])
+    rows = data.build_rows(
+        str(path), tok, SEQ, 3, cache_dir=str(tmp_path / "c"), text_column="content", progress=False
+    )
+    np.testing.assert_array_equal(
+        rows.tokens.reshape(-1), expected_stream(tok_dir, books, 0)[: 3 * (SEQ + 1)]
+    )
 
 
 def test_bad_sources_are_explained(tmp_path, tok_dir):
@@ -217,17 +284,27 @@ def test_hub_source_offline_gives_a_clear_error(monkeypatch, tok_dir, tmp_path):
 
 # ---- the cache -------------------------------------------------------------------------------
 
-def test_second_build_reads_the_cache_without_tokenising(corpus, tok_dir, tmp_path, monkeypatch, count_encodes):
-    first = data.build_rows(corpus["txt"], tok_dir, SEQ, 12, cache_dir=str(tmp_path), progress=False)
+
+def test_second_build_reads_the_cache_without_tokenising(
+    corpus, tok_dir, tmp_path, monkeypatch, count_encodes
+):
+    first = data.build_rows(
+        corpus["txt"], tok_dir, SEQ, 12, cache_dir=str(tmp_path), progress=False
+    )
     assert first.built and len(count_encodes) > 0
     forbid_tokenising(monkeypatch)
-    again = data.build_rows(corpus["txt"], tok_dir, SEQ, 12, cache_dir=str(tmp_path), progress=False)
-    assert not again.built and isinstance(again.tokens, np.memmap) and not again.tokens.flags.writeable
+    again = data.build_rows(
+        corpus["txt"], tok_dir, SEQ, 12, cache_dir=str(tmp_path), progress=False
+    )
+    assert (
+        not again.built and isinstance(again.tokens, np.memmap) and not again.tokens.flags.writeable
+    )
     np.testing.assert_array_equal(again.tokens, first.tokens)
     fewer = data.build_rows(corpus["txt"], tok_dir, SEQ, 5, cache_dir=str(tmp_path), progress=False)
     np.testing.assert_array_equal(fewer.tokens, first.tokens[:5])  # a prefix of the cached rows
-    verified = data.build_rows(corpus["txt"], tok_dir, SEQ, 12, cache_dir=str(tmp_path), progress=False,
-                               verify=True)
+    verified = data.build_rows(
+        corpus["txt"], tok_dir, SEQ, 12, cache_dir=str(tmp_path), progress=False, verify=True
+    )
     assert not verified.built
 
 
@@ -241,6 +318,7 @@ def _edit_meta(field, value):
         meta = json.load(open(meta_path))
         meta[field] = value
         json.dump(meta, open(meta_path, "w"))
+
     return damage
 
 
@@ -252,44 +330,80 @@ def _garbage_json(npy, meta_path):
     open(meta_path, "w").write("{not json")
 
 
-@pytest.mark.parametrize("damage", [
-    _truncate, _wrong_shape, _garbage_json, lambda npy, meta_path: os.unlink(meta_path),
-    lambda npy, meta_path: os.unlink(npy), _edit_meta("seq_len", SEQ + 1),
-    _edit_meta("tokenizer", "files:0000"), _edit_meta("format", 0), _edit_meta("num_rows", 2)],
-    ids=["truncated", "wrong-shape", "garbage-json", "no-json", "no-npy", "seq_len", "tokenizer",
-         "format", "fewer-rows"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _truncate,
+        _wrong_shape,
+        _garbage_json,
+        lambda npy, meta_path: os.unlink(meta_path),
+        lambda npy, meta_path: os.unlink(npy),
+        _edit_meta("seq_len", SEQ + 1),
+        _edit_meta("tokenizer", "files:0000"),
+        _edit_meta("format", 0),
+        _edit_meta("num_rows", 2),
+    ],
+    ids=[
+        "truncated",
+        "wrong-shape",
+        "garbage-json",
+        "no-json",
+        "no-npy",
+        "seq_len",
+        "tokenizer",
+        "format",
+        "fewer-rows",
+    ],
+)
 def test_damaged_or_mismatched_cache_is_rebuilt(damage, corpus, tok_dir, tmp_path, count_encodes):
-    first = data.build_rows(corpus["jsonl"], tok_dir, SEQ, 6, cache_dir=str(tmp_path), progress=False)
+    first = data.build_rows(
+        corpus["jsonl"], tok_dir, SEQ, 6, cache_dir=str(tmp_path), progress=False
+    )
     good = np.array(first.tokens)
     damage(first.path, first.path[:-4] + ".json")
     count_encodes.clear()
-    again = data.build_rows(corpus["jsonl"], tok_dir, SEQ, 6, cache_dir=str(tmp_path), progress=False)
+    again = data.build_rows(
+        corpus["jsonl"], tok_dir, SEQ, 6, cache_dir=str(tmp_path), progress=False
+    )
     assert again.built and count_encodes and again.path == first.path
     np.testing.assert_array_equal(again.tokens, good)
 
 
 def test_changed_checksum_caught_by_verify(corpus, tok_dir, tmp_path):
-    first = data.build_rows(corpus["jsonl"], tok_dir, SEQ, 4, cache_dir=str(tmp_path), progress=False)
+    first = data.build_rows(
+        corpus["jsonl"], tok_dir, SEQ, 4, cache_dir=str(tmp_path), progress=False
+    )
     good = np.array(first.tokens)
     arr = np.load(first.path, mmap_mode="r+")
     arr[1, 5] += 1
     arr.flush()
     del arr
-    assert not data.build_rows(corpus["jsonl"], tok_dir, SEQ, 4, cache_dir=str(tmp_path), progress=False).built
-    fixed = data.build_rows(corpus["jsonl"], tok_dir, SEQ, 4, cache_dir=str(tmp_path), progress=False,
-                            verify=True)
+    assert not data.build_rows(
+        corpus["jsonl"], tok_dir, SEQ, 4, cache_dir=str(tmp_path), progress=False
+    ).built
+    fixed = data.build_rows(
+        corpus["jsonl"], tok_dir, SEQ, 4, cache_dir=str(tmp_path), progress=False, verify=True
+    )
     assert fixed.built
     np.testing.assert_array_equal(fixed.tokens, good)
 
 
-def test_new_tokenizer_seq_len_or_corpus_get_their_own_cache(corpus, books, tok_dir, tmp_path, count_encodes):
+def test_new_tokenizer_seq_len_or_corpus_get_their_own_cache(
+    corpus, books, tok_dir, tmp_path, count_encodes
+):
     base = data.build_rows(corpus["txt"], tok_dir, SEQ, 4, cache_dir=str(tmp_path), progress=False)
     other_tok = _train_tokenizer(books, tmp_path / "tok2", vocab_size=280)
-    assert data.build_rows(corpus["txt"], other_tok, SEQ, 4, cache_dir=str(tmp_path), progress=False).built
-    assert data.build_rows(corpus["txt"], tok_dir, SEQ + 8, 4, cache_dir=str(tmp_path), progress=False).built
+    assert data.build_rows(
+        corpus["txt"], other_tok, SEQ, 4, cache_dir=str(tmp_path), progress=False
+    ).built
+    assert data.build_rows(
+        corpus["txt"], tok_dir, SEQ + 8, 4, cache_dir=str(tmp_path), progress=False
+    ).built
     with open(os.path.join(corpus["txt"], "book00.txt"), "a") as f:
         os.utime(f.fileno(), ns=(1, 1))  # same bytes, another modification time
-    rebuilt = data.build_rows(corpus["txt"], tok_dir, SEQ, 4, cache_dir=str(tmp_path), progress=False)
+    rebuilt = data.build_rows(
+        corpus["txt"], tok_dir, SEQ, 4, cache_dir=str(tmp_path), progress=False
+    )
     assert rebuilt.built and rebuilt.path != base.path
     np.testing.assert_array_equal(rebuilt.tokens, base.tokens)
 
@@ -309,7 +423,9 @@ def test_concurrent_builders_tokenise_once(corpus, tok_dir, tmp_path, monkeypatc
 
     def worker(i):
         barrier.wait()
-        results[i] = data.build_rows(corpus["parquet"], tok_dir, SEQ, 8, cache_dir=str(tmp_path), progress=False)
+        results[i] = data.build_rows(
+            corpus["parquet"], tok_dir, SEQ, 8, cache_dir=str(tmp_path), progress=False
+        )
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
     for t in threads:
@@ -323,17 +439,27 @@ def test_concurrent_builders_tokenise_once(corpus, tok_dir, tmp_path, monkeypatc
 
 @pytest.mark.slow
 def test_concurrent_processes_tokenise_once(corpus, tok_dir, tmp_path):
-    script = ("import sys, data; r = data.build_rows(sys.argv[1], sys.argv[2], 63, 8, cache_dir=sys.argv[3], "
-              "progress=False); print('BUILT' if r.built else 'MAPPED', int(r.tokens.sum()))")
+    script = (
+        "import sys, data; r = data.build_rows(sys.argv[1], sys.argv[2], 63, 8, cache_dir=sys.argv[3], "
+        "progress=False); print('BUILT' if r.built else 'MAPPED', int(r.tokens.sum()))"
+    )
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    procs = [subprocess.Popen([sys.executable, "-c", script, corpus["jsonl"], tok_dir, str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, corpus["jsonl"], tok_dir, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=120)[0].split() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sorted(o[0] for o in outs) == ["BUILT", "MAPPED"] and outs[0][1] == outs[1][1]
 
 
 # ---- token files and the synthetic source ----------------------------------------------------
+
 
 def test_token_file_source(tmp_path):
     flat = np.arange(1000, dtype=np.uint32)
@@ -344,9 +470,12 @@ def test_token_file_source(tmp_path):
 
     grid = np.arange(60, dtype=np.int64).reshape(6, 10)
     np.save(tmp_path / "grid.npy", grid)
-    np.testing.assert_array_equal(data.build_rows(f"tokens:{tmp_path / 'grid.npy'}", None, 9, 6).tokens, grid)
-    np.testing.assert_array_equal(data.build_rows(f"tokens:{tmp_path / 'grid.npy'}", None, 4, 12).tokens,
-                                  grid.reshape(12, 5))  # other widths: flat contents
+    np.testing.assert_array_equal(
+        data.build_rows(f"tokens:{tmp_path / 'grid.npy'}", None, 9, 6).tokens, grid
+    )
+    np.testing.assert_array_equal(
+        data.build_rows(f"tokens:{tmp_path / 'grid.npy'}", None, 4, 12).tokens, grid.reshape(12, 5)
+    )  # other widths: flat contents
     with pytest.raises(ValueError, match=r"holds 60 tokens \(5 rows of 11\), but 6 rows need 66"):
         data.build_rows(f"tokens:{tmp_path / 'grid.npy'}", None, 10, 6)
     np.save(tmp_path / "float.npy", np.zeros(100))
@@ -364,16 +493,20 @@ def test_synthetic_copy_rows(tok_dir):
     for i in range(len(rows)):
         row, mask = rows[i], rows.predictable(i)
         assert row.dtype == np.uint32 and row.max() < 64 and mask.shape == (511,)
-        assert 0.3 < mask.mean() < 0.5 and not mask[:rows.half - 1].any()
+        assert 0.3 < mask.mean() < 0.5 and not mask[: rows.half - 1].any()
         # Every predictable label follows the same k tokens somewhere in the first half.
-        windows = {tuple(row[q - k:q + 1]) for q in range(k, rows.half)}
+        windows = {tuple(row[q - k : q + 1]) for q in range(k, rows.half)}
         for t in np.flatnonzero(mask):
-            assert tuple(row[t + 1 - k:t + 2]) in windows
-    assert data.build_rows("synthetic:copy", tok_dir, 511, 1).vocab_size == 300  # from the tokenizer
+            assert tuple(row[t + 1 - k : t + 2]) in windows
+    assert (
+        data.build_rows("synthetic:copy", tok_dir, 511, 1).vocab_size == 300
+    )  # from the tokenizer
     batch = next(iter(data.RowLoader(rows, sp_rank=1, sp_size=2)))
     assert batch["predictable"].shape == (1, 256)
     # Labels 256..510 and one padded position, which is never predictable.
-    assert torch.equal(batch["predictable"][0], torch.as_tensor(np.append(rows.predictable(0)[256:], False)))
+    assert torch.equal(
+        batch["predictable"][0], torch.as_tensor(np.append(rows.predictable(0)[256:], False))
+    )
 
 
 def test_synthetic_repeat_rows():
@@ -382,13 +515,16 @@ def test_synthetic_repeat_rows():
     h = rows.half
     for i in range(3):
         row, mask = rows[i], rows.predictable(i)
-        assert np.array_equal(row[h:], row[:512 - h])
-        assert np.array_equal(np.flatnonzero(mask), np.arange(h - 1, 511))  # labels row[1:] at positions >= h
+        assert np.array_equal(row[h:], row[: 512 - h])
+        assert np.array_equal(
+            np.flatnonzero(mask), np.arange(h - 1, 511)
+        )  # labels row[1:] at positions >= h
         assert len(set(row[:h].tolist())) > 32  # the first half is random, not a pattern
     assert not np.array_equal(rows[0], rows[1])
 
 
 # ---- sharding and the loader -----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("t", [12, 13, 17])
 @pytest.mark.parametrize("sp", [1, 2, 3, 4, 8])
@@ -396,11 +532,16 @@ def test_sp_shards_put_together_equal_the_row(t, sp):
     row = torch.randint(1, 1000, (t + 1,))
     shards = [data.shard_row(row, r, sp) for r in range(sp)]
     per = -(-t // sp)
-    assert all(s[k].shape == (1, per) and s[k].dtype == torch.long
-               for s in shards for k in ("input_ids", "labels", "position_ids"))
+    assert all(
+        s[k].shape == (1, per) and s[k].dtype == torch.long
+        for s in shards
+        for k in ("input_ids", "labels", "position_ids")
+    )
     cat = {k: torch.cat([s[k][0] for s in shards]) for k in shards[0]}
     assert torch.equal(cat["input_ids"][:t], row[:-1]) and torch.equal(cat["labels"][:t], row[1:])
-    assert torch.equal(cat["position_ids"], torch.arange(per * sp))  # global, continuing into padding
+    assert torch.equal(
+        cat["position_ids"], torch.arange(per * sp)
+    )  # global, continuing into padding
     assert (cat["input_ids"][t:] == 0).all() and (cat["labels"][t:] == -100).all()
 
 
@@ -434,7 +575,9 @@ def test_loader_takes_rows_by_dp_rank_and_resumes():
         assert torch.equal(a["input_ids"], b["input_ids"])
     late = data.RowLoader(rows, 0, 1, 0, 1, start_row=5)
     assert [int(b["position_ids"][0, 0]) for b in late] == [0, 0]
-    assert torch.equal(data.RowLoader(rows, start_row=6).__next__()["labels"][0], torch.as_tensor(rows[6, 1:],
-                                                                                                  dtype=torch.long))
+    assert torch.equal(
+        data.RowLoader(rows, start_row=6).__next__()["labels"][0],
+        torch.as_tensor(rows[6, 1:], dtype=torch.long),
+    )
     with pytest.raises(ValueError, match="sp_rank"):
         data.RowLoader(rows, sp_rank=2, sp_size=2)

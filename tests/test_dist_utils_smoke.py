@@ -1,6 +1,5 @@
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
 
 

@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
 
 from memory.plan import load_config, plan
@@ -26,8 +25,13 @@ SECTIONS = ("loss", "layers", "attention", "backends", "optimizer", "projection"
 
 def _script(name, *args, timeout=120):
     """Run bench/<name> as a user does, from the repository root; fail with its output."""
-    p = subprocess.run([sys.executable, os.path.join("bench", name), *args], cwd=ROOT,
-                       capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [sys.executable, os.path.join("bench", name), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout
 
@@ -35,8 +39,9 @@ def _script(name, *args, timeout=120):
 def _finite(d, keys, where, nonnegative=True):
     for k in keys:
         v = d[k]
-        assert isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), \
+        assert isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), (
             f"{where}.{k} = {v!r}"
+        )
         assert v >= 0 or not nonnegative, f"{where}.{k} = {v!r}"
 
 
@@ -77,7 +82,9 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
         assert run["host_allocs_after_reserve"] == 0
     assert r["layers"]["backend"] == "cpu_flash"
     _finite(r["attention"], ["fwd_s", "bwd_s", "fwd_tflops", "bwd_tflops"], "attention")
-    assert r["attention"]["backend"] == r["attention"]["backend_pinned"] == "cpu_flash", r["attention"]["backend_errors"]
+    assert r["attention"]["backend"] == r["attention"]["backend_pinned"] == "cpu_flash", r[
+        "attention"
+    ]["backend_errors"]
     b = r["backends"]  # CPU: cpu_flash against math, the same code as cuDNN against flash on a GPU
     assert b["skipped"] is None and b["backends"] == ["cpu_flash", "math"] and b["agree"] is True
     for t in ("out", "dq", "dk", "dv"):
@@ -88,14 +95,29 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     _finite(p, ["planner_floor_s", "planner_flops", "a2a_s", "planner_peak_gb"], "projection")
     _finite(p, ["step_s", "layer_s"], "projection", nonnegative=False)
     t = p["terms"]  # the arithmetic adds up as printed
-    assert p["step_s"] == pytest.approx(t["layers"] * (t["layer_nonattn_s"] + t["attention_s"])
-                                        + t["loss_s"] + t["a2a_s"] + t["optimizer_s"], rel=1e-9)
+    assert p["step_s"] == pytest.approx(
+        t["layers"] * (t["layer_nonattn_s"] + t["attention_s"])
+        + t["loss_s"]
+        + t["a2a_s"]
+        + t["optimizer_s"],
+        rel=1e-9,
+    )
     # attention once: forward + backward per layer, not 2 x forward + backward
-    assert t["attention_s"] == pytest.approx(r["attention"]["fwd_s"] + r["attention"]["bwd_s"], rel=1e-12)
-    assert p["step_s_attention_recomputed"] == pytest.approx(p["step_s"] + t["layers"] * r["attention"]["fwd_s"])
-    assert p["planner_flops"] == plan(load_config("tiny"), 512, gpus=2, sp=2, compute_bytes=4,
-                                      save_attention=True).flops_no_attn_recompute
-    assert p["public_recipe"]["step_time_s"] == 380.0 and p["public_recipe"]["peak_gb_per_gpu"] == 56.2
+    assert t["attention_s"] == pytest.approx(
+        r["attention"]["fwd_s"] + r["attention"]["bwd_s"], rel=1e-12
+    )
+    assert p["step_s_attention_recomputed"] == pytest.approx(
+        p["step_s"] + t["layers"] * r["attention"]["fwd_s"]
+    )
+    assert (
+        p["planner_flops"]
+        == plan(
+            load_config("tiny"), 512, gpus=2, sp=2, compute_bytes=4, save_attention=True
+        ).flops_no_attn_recompute
+    )
+    assert (
+        p["public_recipe"]["step_time_s"] == 380.0 and p["public_recipe"]["peak_gb_per_gpu"] == 56.2
+    )
     assert "step" in text and "PROJECTED" in text
 
 
@@ -112,6 +134,7 @@ def test_bench_attention_tiny_cli(tmp_path):
 
 def test_compare_backends_skips_a_backend_that_cannot_run():
     from bench.bench_attention import compare_backends, format_compare
+
     c = compare_backends(256, 4, 1, 32, device="cpu", pair=("cudnn", "flash"))
     assert c["skipped"].startswith("cudnn cannot run 4 query / 1 kv heads") and "diffs" not in c
     assert "skipped" in format_compare(c)
@@ -122,15 +145,19 @@ def test_bench_attention_times_the_pinned_backend(monkeypatch):
     inside runs it: a forced choice of math shows up as math's ops, not the CPU flash kernel."""
     import bench.bench_attention as ba
     from model.attention import get_backend
+
     monkeypatch.setattr(ba, "pinned_backend", lambda *a, **k: "math")
     r = ba.run(256, 2, model="tiny", device="cpu", tiny=True)
-    assert r["backend"] == r["backend_pinned"] == "math" and r["backend_ops"] == []  # no fused SDPA op ran
+    assert (
+        r["backend"] == r["backend_pinned"] == "math" and r["backend_ops"] == []
+    )  # no fused SDPA op ran
     assert get_backend() is None  # restored afterwards
 
 
 def test_exchange_table_qwen3_8b():
     from bench.bench_attention import exchange_volumes
     from model.config import Qwen3Config
+
     ex = exchange_volumes(Qwen3Config.preset("qwen3-8b"), 1_048_576, 8)
     fwd = {r["tensor"]: r["buffer_bytes"] for r in ex["rows"] if r["phase"] == "forward"}
     assert fwd == {"q": 2**30, "k": 2**28, "v": 2**28, "out": 2**30}  # [131072, 32 or 8, 128] bf16
@@ -139,7 +166,10 @@ def test_exchange_table_qwen3_8b():
 
 # ---- the arithmetic against what really goes through all_to_all_single --------------------
 TOKENS = 16
-CASES = {"repeat": dict(num_key_value_heads=1), "gqa": dict(num_key_value_heads=2)}  # tiny: 4 q heads
+CASES = {
+    "repeat": dict(num_key_value_heads=1),
+    "gqa": dict(num_key_value_heads=2),
+}  # tiny: 4 q heads
 
 
 def _count_exchanges(rank, world, case):
@@ -159,13 +189,21 @@ def _count_exchanges(rank, world, case):
     real = dist.all_to_all_single
 
     def counting(output, input, *args, **kwargs):
-        calls.append((phase[0], tuple(input.shape), input.numel() * input.element_size(),
-                      output.numel() * output.element_size()))
+        calls.append(
+            (
+                phase[0],
+                tuple(input.shape),
+                input.numel() * input.element_size(),
+                output.numel() * output.element_size(),
+            )
+        )
         return real(output, input, *args, **kwargs)
 
     dist.all_to_all_single = counting  # ulysses looks it up on torch.distributed at call time
     try:
-        ids = torch.randint(0, cfg.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(1))
+        ids = torch.randint(
+            0, cfg.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(1)
+        )
         sl = slice(rank * TOKENS // world, (rank + 1) * TOKENS // world)
         pos = torch.arange(TOKENS)[None, sl]
         h = model(ids[:, sl], pos)
@@ -187,9 +225,18 @@ def test_exchange_volumes_equal_all_to_all_bytes():
         cfg = dataclasses.replace(Qwen3Config.preset("tiny"), **overrides)
         ex = exchange_volumes(cfg, TOKENS, world, bytes_per_elem=4)  # fp32 model on gloo
         for calls in (r[case] for r in per_rank):
-            for phases, seen in ((("forward",), "forward"), (("recompute", "backward"), "backward")):
-                want = sorted([(tuple(r["buffer_shape"]), r["buffer_bytes"]) for r in ex["rows"]
-                               if r["phase"] in phases] * cfg.num_hidden_layers)
+            for phases, seen in (
+                (("forward",), "forward"),
+                (("recompute", "backward"), "backward"),
+            ):
+                want = sorted(
+                    [
+                        (tuple(r["buffer_shape"]), r["buffer_bytes"])
+                        for r in ex["rows"]
+                        if r["phase"] in phases
+                    ]
+                    * cfg.num_hidden_layers
+                )
                 got = sorted((shape, nbytes) for ph, shape, nbytes, _ in calls if ph == seen)
                 assert got == want, (case, seen)
                 assert all(i == o for ph, _, i, o in calls)  # equal send and receive buffers

@@ -12,12 +12,21 @@ the branch is needed on those versions and does what it says).
 """
 
 import torch
-
 from dist_utils import run_distributed
+
 from model.config import Qwen3Config
 
-CFG = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, bos_token_id=None, eos_token_id=None)
+CFG = Qwen3Config(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 def _old_group_hooks(modules, pre_hook, post_hook, modules_to_run, cast_output_dtype=None):
@@ -36,10 +45,17 @@ def _old_group_hooks(modules, pre_hook, post_hook, modules_to_run, cast_output_d
             modules_to_run.discard(module)
             if len(modules_to_run) == 0:
                 return post_hook(*args, **kwargs)
+
         return wrapped_post_hook
 
-    pre = [m.register_forward_pre_hook(wrapped_pre_hook, prepend=True, with_kwargs=True) for m in modules]
-    post = [m.register_forward_hook(get_wrapped_post_hook(m), prepend=False, always_call=True) for m in modules]
+    pre = [
+        m.register_forward_pre_hook(wrapped_pre_hook, prepend=True, with_kwargs=True)
+        for m in modules
+    ]
+    post = [
+        m.register_forward_hook(get_wrapped_post_hook(m), prepend=False, always_call=True)
+        for m in modules
+    ]
     return _MultiHandle(tuple(pre + post))
 
 
@@ -80,6 +96,7 @@ def _worker(rank, world, ids, want):
 
 def _one_process(full):
     from model.qwen3 import Qwen3
+
     m = Qwen3(CFG)
     m.load_state_dict(full)
     with torch.no_grad():

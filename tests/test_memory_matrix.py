@@ -28,19 +28,44 @@ from memory.plan import NORM_CHUNK, plan  # noqa: E402
 from model.config import Qwen3Config  # noqa: E402
 
 TINY = replace(Qwen3Config.preset("tiny"), max_position_embeddings=1 << 16)  # GQA 2, head_dim 32
-ODD = replace(TINY, hidden_size=80, intermediate_size=176, num_attention_heads=6, num_key_value_heads=2,
-              head_dim=24, vocab_size=333)  # not powers of two; 3 query heads per kv head
+ODD = replace(
+    TINY,
+    hidden_size=80,
+    intermediate_size=176,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=24,
+    vocab_size=333,
+)  # not powers of two; 3 query heads per kv head
 TIED = replace(TINY, tie_word_embeddings=True)
 # Qwen3-8B's proportions: intermediate 3 x hidden, heads x head_dim = hidden, 4 query heads per kv head
-LIKE_8B = replace(TINY, hidden_size=128, intermediate_size=384, num_attention_heads=8, num_key_value_heads=2,
-                  head_dim=16, vocab_size=1024)
+LIKE_8B = replace(
+    TINY,
+    hidden_size=128,
+    intermediate_size=384,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=1024,
+)
 # parameters a third of the peak: gathered layers, their gradients and the fp32 state count
-WIDE = replace(TINY, hidden_size=256, intermediate_size=768, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=64, vocab_size=2048)
+WIDE = replace(
+    TINY,
+    hidden_size=256,
+    intermediate_size=768,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    vocab_size=2048,
+)
 DEEP = replace(TINY, num_hidden_layers=4)
-LOSSY = replace(LIKE_8B, vocab_size=4096)  # the loss phase makes the peak  # attention once: three layers' attention on the host, one on the device
+LOSSY = replace(
+    LIKE_8B, vocab_size=4096
+)  # the loss phase makes the peak  # attention once: three layers' attention on the host, one on the device
 SAVE = {"save_attention": True}
-CPU_OFF = {"cpu_offload": True}  # FSDP2 CPU offload: fp32 shards, gradients, AdamW states on the host
+CPU_OFF = {
+    "cpu_offload": True
+}  # FSDP2 CPU offload: fp32 shards, gradients, AdamW states on the host
 
 # name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk[, RMSNorm chunk][, SAVE])
 MATRIX = {
@@ -58,23 +83,49 @@ MATRIX = {
     "sp2 4 layers": (DEEP, 2, 2, 4096, "float32", True, 0, 256),
     "sp2 4 layers save attention": (DEEP, 2, 2, 4096, "float32", True, 0, 256, SAVE),
     "sp2 8B-like tiled save attention": (LIKE_8B, 2, 2, 4096, "float32", True, 256, 128, SAVE),
-    "sp2 4 layers no offload save attention": (DEEP, 2, 2, 4096, "float32", False, 0, 256, SAVE),  # all on the device
+    "sp2 4 layers no offload save attention": (
+        DEEP,
+        2,
+        2,
+        4096,
+        "float32",
+        False,
+        0,
+        256,
+        SAVE,
+    ),  # all on the device
     "sp2 loss peak": (LOSSY, 2, 2, 4096, "float32", True, 256, 512),
     "sp2 loss peak save attention": (LOSSY, 2, 2, 4096, "float32", True, 256, 512, SAVE),
     "sp1 cpu offload": (TINY, 1, 1, 4096, "float32", True, 0, 256, CPU_OFF),
     "sp2 cpu offload": (TINY, 2, 2, 4096, "float32", True, 0, 256, CPU_OFF),
     "sp2 wide params cpu offload": (WIDE, 2, 2, 1024, "float32", True, 0, 256, CPU_OFF),
-    "sp2 8B-like tiled save attention cpu offload": (LIKE_8B, 2, 2, 4096, "float32", True, 256, 128,
-                                                     {**SAVE, **CPU_OFF}),
+    "sp2 8B-like tiled save attention cpu offload": (
+        LIKE_8B,
+        2,
+        2,
+        4096,
+        "float32",
+        True,
+        256,
+        128,
+        {**SAVE, **CPU_OFF},
+    ),
 }
 # attention once -> the same configuration recomputing attention; the peak in a layer's backward
 # (as at the recipe: 20.8 GB there against 10.8 + 2.1 GB in the loss phase)
-PAIRS = {"sp1 save attention": "sp1", "sp2 4 layers save attention": "sp2 4 layers",
-         "sp2 8B-like tiled save attention": "sp2 8B-like tiled"}
+PAIRS = {
+    "sp1 save attention": "sp1",
+    "sp2 4 layers save attention": "sp2 4 layers",
+    "sp2 8B-like tiled save attention": "sp2 8B-like tiled",
+}
 LOSS_PAIRS = {"sp2 loss peak save attention": "sp2 loss peak"}  # the peak in the loss phase
 # CPU offload -> the same configuration with the fp32 state on the device
-CPU_PAIRS = {"sp1 cpu offload": "sp1", "sp2 cpu offload": "sp2", "sp2 wide params cpu offload": "sp2 wide params",
-             "sp2 8B-like tiled save attention cpu offload": "sp2 8B-like tiled save attention"}
+CPU_PAIRS = {
+    "sp1 cpu offload": "sp1",
+    "sp2 cpu offload": "sp2",
+    "sp2 wide params cpu offload": "sp2 wide params",
+    "sp2 8B-like tiled save attention cpu offload": "sp2 8B-like tiled save attention",
+}
 
 
 def _steps(rank, world, specs):
@@ -88,9 +139,8 @@ def _steps(rank, world, specs):
     from memory.meter import StepMeter
     from model.offload import apply_offload
     from model.parallel import build_mesh, build_sharded_model
-    from model.ulysses import UlyssesAttention
-
     from model.qwen3 import _RMSNormFn
+    from model.ulysses import UlyssesAttention
 
     out = []
     for cfg_dict, sp, seq_len, dtype, offload, tile, chunk, norm_chunk, save, cpu_off in specs:
@@ -98,23 +148,42 @@ def _steps(rank, world, specs):
         _RMSNormFn.CHUNK_ELEMS = norm_chunk
         torch.manual_seed(0)
         mesh = build_mesh(world, sp, "cpu")
-        model, _ = build_sharded_model(cfg, mesh, device="cpu", param_dtype=dtype, progress=False,
-                                       cpu_offload=cpu_off)
+        model, _ = build_sharded_model(
+            cfg, mesh, device="cpu", param_dtype=dtype, progress=False, cpu_offload=cpu_off
+        )
         model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
-        pool = apply_offload(model, offload=offload, min_bytes=0, tile_mlp=tile or None, save_attention=save)
-        opt = train.make_optimizer(train.TrainConfig(cpu_offload=cpu_off), model, torch.device("cpu"))
+        pool = apply_offload(
+            model, offload=offload, min_bytes=0, tile_mlp=tile or None, save_attention=save
+        )
+        opt = train.make_optimizer(
+            train.TrainConfig(cpu_offload=cpu_off), model, torch.device("cpu")
+        )
         g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
-        batch = shard_row(torch.randint(0, cfg.vocab_size, (seq_len + 1,), generator=g),
-                          mesh["sp"].get_local_rank(), sp)
+        batch = shard_row(
+            torch.randint(0, cfg.vocab_size, (seq_len + 1,), generator=g),
+            mesh["sp"].get_local_rank(),
+            sp,
+        )
         for _ in range(2):
-            meter = StepMeter("cpu", model=model, optimizer=opt, baseline=list(batch.values()), host=pool,
-                              host_state=cpu_off)
+            meter = StepMeter(
+                "cpu",
+                model=model,
+                optimizer=opt,
+                baseline=list(batch.values()),
+                host=pool,
+                host_state=cpu_off,
+            )
             meter.start()
             count = (batch["labels"] != -100).sum().double()
             dist.all_reduce(count)
             hidden = model(batch["input_ids"], batch["position_ids"])  # [1, T/sp, hidden]
-            loss = chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, batch["labels"].flatten(),
-                                         chunk_size=chunk, reduction="sum")
+            loss = chunked_cross_entropy(
+                hidden.flatten(0, 1),
+                model.lm_head.weight,
+                batch["labels"].flatten(),
+                chunk_size=chunk,
+                reduction="sum",
+            )
             del hidden  # as train.py does: backward needs no hidden states
             (loss / count.to(loss.dtype)).backward()
             del loss
@@ -145,19 +214,37 @@ def measure(names=None, pool: dict | None = None) -> dict:
     res = {}
     for world in sorted({MATRIX[n][1] for n in names}):
         group = [n for n in names if MATRIX[n][1] == world]
-        specs = [(asdict(c), sp, T, dt, off, tile, ch, nc, sa, co)
-                 for c, _, sp, T, dt, off, tile, ch, nc, sa, co in (_spec(n) for n in group)]
+        specs = [
+            (asdict(c), sp, T, dt, off, tile, ch, nc, sa, co)
+            for c, _, sp, T, dt, off, tile, ch, nc, sa, co in (_spec(n) for n in group)
+        ]
         ranks = run_distributed(_steps, world, specs, timeout=600)
         for k, n in enumerate(group):
             c, _, sp, T, dt, off, tile, ch, nc, sa, co = _spec(n)
-            p = plan(c, T, gpus=world, sp=sp, offload=off, tiled_mlp=tile > 0, mlp_tile=tile or None,
-                     loss_chunk=ch, compute_bytes=torch.finfo(getattr(torch, dt)).bits // 8, device="cpu",
-                     norm_chunk=nc, save_attention=sa, cpu_offload=co)
+            p = plan(
+                c,
+                T,
+                gpus=world,
+                sp=sp,
+                offload=off,
+                tiled_mlp=tile > 0,
+                mlp_tile=tile or None,
+                loss_chunk=ch,
+                compute_bytes=torch.finfo(getattr(torch, dt)).bits // 8,
+                device="cpu",
+                norm_chunk=nc,
+                save_attention=sa,
+                cpu_offload=co,
+            )
             res[n] = (max(r[k]["peak"] for r in ranks), p.total)
             if pool is not None:
-                pool[n] = (max((r[k]["pinned"], r[k]["d2h"]) for r in ranks),
-                           (p.saved_inputs_host_per_gpu + p.saved_attention_host_per_gpu,
-                            p.offload_bytes_per_step // 2))
+                pool[n] = (
+                    max((r[k]["pinned"], r[k]["d2h"]) for r in ranks),
+                    (
+                        p.saved_inputs_host_per_gpu + p.saved_attention_host_per_gpu,
+                        p.offload_bytes_per_step // 2,
+                    ),
+                )
     return res
 
 
@@ -188,8 +275,10 @@ def test_save_attention_peak_no_higher(matrix):
     planner adds: the measured rise equals the planned one in every pair (to 0.5% of the peak)."""
     for sa, base in {**PAIRS, **LOSS_PAIRS}.items():
         (m_sa, p_sa), (m, p) = matrix[sa], matrix[base]
-        print(f"{sa:34} measured {m_sa / 1e6:8.3f} MB, without {m / 1e6:8.3f} MB: rise "
-              f"{(m_sa - m) / 1e6:+.3f} MB, planned {(p_sa - p) / 1e6:+.3f} MB")
+        print(
+            f"{sa:34} measured {m_sa / 1e6:8.3f} MB, without {m / 1e6:8.3f} MB: rise "
+            f"{(m_sa - m) / 1e6:+.3f} MB, planned {(p_sa - p) / 1e6:+.3f} MB"
+        )
         assert abs((m_sa - m) - (p_sa - p)) <= 0.005 * m, (sa, m_sa - m, p_sa - p)
         if sa in PAIRS:
             assert m_sa <= 1.05 * m, (sa, m_sa, m)
@@ -201,7 +290,9 @@ def test_pool_host_bytes_equal_plan(matrix):
     planner's, to the byte: every layer's input, or with attention once L-1 layers' input, out and lse."""
     for n, (got, want) in _POOL.items():
         assert got == want, (n, got, want)
-    assert _POOL["sp1 save attention"][0][0] > _POOL["sp1"][0][0]  # the saved attention really went to the pool
+    assert (
+        _POOL["sp1 save attention"][0][0] > _POOL["sp1"][0][0]
+    )  # the saved attention really went to the pool
 
 
 @pytest.mark.slow
@@ -211,8 +302,10 @@ def test_cpu_offload_drop_equals_plan(matrix):
     plans' own errors, each within 1.4% in these pairs, do not cancel exactly)."""
     for co, base in CPU_PAIRS.items():
         (m_co, p_co), (m, p) = matrix[co], matrix[base]
-        print(f"{co:46} measured {m_co / 1e6:8.3f} MB, without {m / 1e6:8.3f} MB: drop "
-              f"{(m - m_co) / 1e6:.3f} MB, planned {(p - p_co) / 1e6:.3f} MB")
+        print(
+            f"{co:46} measured {m_co / 1e6:8.3f} MB, without {m / 1e6:8.3f} MB: drop "
+            f"{(m - m_co) / 1e6:.3f} MB, planned {(p - p_co) / 1e6:.3f} MB"
+        )
         assert abs((m - m_co) - (p - p_co)) <= 0.02 * m, (co, m - m_co, p - p_co)
         assert m - m_co > 0
 
@@ -221,6 +314,8 @@ if __name__ == "__main__":
     t0 = time.perf_counter()
     res = measure(sys.argv[1:] or None, pool=_POOL)
     for n, (m, p) in res.items():
-        print(f"{n:34} measured {m / 1e6:8.3f} MB  planned {p / 1e6:8.3f} MB  ratio {m / p:.4f}  "
-              f"pool (pinned, d2h) {_POOL[n][0]} planned {_POOL[n][1]}")
+        print(
+            f"{n:34} measured {m / 1e6:8.3f} MB  planned {p / 1e6:8.3f} MB  ratio {m / p:.4f}  "
+            f"pool (pinned, d2h) {_POOL[n][0]} planned {_POOL[n][1]}"
+        )
     print(f"{time.perf_counter() - t0:.1f} s")

@@ -18,8 +18,20 @@ from dataclasses import replace
 import pytest
 import torch
 
-from memory.plan import (GB, GiB, choose_save_attention, format_plan, layer_saved_bytes, max_seq_len,
-                         param_shapes, pinned_bytes, plan, plan_for_run, plan_to_dict, shard_numel)
+from memory.plan import (
+    GB,
+    GiB,
+    choose_save_attention,
+    format_plan,
+    layer_saved_bytes,
+    max_seq_len,
+    param_shapes,
+    pinned_bytes,
+    plan,
+    plan_for_run,
+    plan_to_dict,
+    shard_numel,
+)
 from model.config import Qwen3Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,8 +43,16 @@ CONFIGS = {
     "tiny": TINY,
     "tied": replace(TINY, tie_word_embeddings=True, num_key_value_heads=4),
     # vocab, hidden and intermediate sizes do not divide by 4: their FSDP2 shards are padded
-    "odd": replace(TINY, vocab_size=301, hidden_size=50, intermediate_size=102, num_hidden_layers=3,
-                   num_attention_heads=6, num_key_value_heads=3, head_dim=16),
+    "odd": replace(
+        TINY,
+        vocab_size=301,
+        hidden_size=50,
+        intermediate_size=102,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=16,
+    ),
 }
 
 
@@ -42,15 +62,20 @@ def _state_bytes(model, opt) -> dict[str, int]:
     Storages, each counted once: FSDP2's padding is in them, and its gradient shards of one
     unit are views of one reduce-scatter output.
     """
+
     def nbytes(tensors):
         storages = {}
         for t in tensors:
             s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
             storages[s.data_ptr()] = s.nbytes()
         return sum(storages.values())
+
     params = list(model.parameters())  # a tied weight appears once
-    return {"params": nbytes(params), "grads": nbytes(p.grad for p in params),
-            "optim": nbytes(opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq"))}
+    return {
+        "params": nbytes(params),
+        "grads": nbytes(p.grad for p in params),
+        "optim": nbytes(opt.state[p][k] for p in params for k in ("exp_avg", "exp_avg_sq")),
+    }
 
 
 class _Logits(torch.nn.Module):
@@ -76,6 +101,7 @@ def _one_step(model, vocab: int):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_param_shapes_are_the_models(name, fake_world_started):
     from model.qwen3 import Qwen3
+
     cfg = CONFIGS[name]
     real = {n: tuple(p.shape) for n, p in Qwen3(cfg).named_parameters()}
     assert param_shapes(cfg) == real
@@ -84,13 +110,20 @@ def test_param_shapes_are_the_models(name, fake_world_started):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_state_bytes_equal_allocated_one_gpu(name):
-    from model.qwen3 import Qwen3  # same parameters as transformers' Qwen3ForCausalLM (tests/test_model.py)
+    from model.qwen3 import (
+        Qwen3,
+    )  # same parameters as transformers' Qwen3ForCausalLM (tests/test_model.py)
+
     cfg = CONFIGS[name]
     torch.manual_seed(0)
     model = _Logits(Qwen3(cfg).float())
     got = _state_bytes(model, _one_step(model, cfg.vocab_size))
     p = plan(cfg, 16, gpus=1, sp=1)
-    assert (p.param_shards, p.grad_shards, p.optimizer_states) == (got["params"], got["grads"], got["optim"])
+    assert (p.param_shards, p.grad_shards, p.optimizer_states) == (
+        got["params"],
+        got["grads"],
+        got["optim"],
+    )
     assert p.param_shards == 4 * cfg.num_params()
 
 
@@ -164,7 +197,11 @@ def test_state_bytes_equal_fsdp2_shards(fake_world, name):
     """Rank 0 of 4: every parameter's dim 0 is padded to a multiple of 4, then split."""
     cfg, got = CONFIGS[name], fake_world["fsdp"][name]
     p = plan(cfg, 16, gpus=4, sp=1)
-    assert (p.param_shards, p.grad_shards, p.optimizer_states) == (got["params"], got["grads"], got["optim"])
+    assert (p.param_shards, p.grad_shards, p.optimizer_states) == (
+        got["params"],
+        got["grads"],
+        got["optim"],
+    )
     ceil = sum(-(-s[0] // 4) * torch.Size(s[1:]).numel() for s in param_shapes(cfg).values())
     assert p.param_shards == 4 * ceil
     if name == "odd":  # the padding is really there: rank 0 holds more than a quarter
@@ -198,13 +235,17 @@ def test_naive_saved_inputs_are_288_gib():
 def test_design_budget_table():
     p = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
     assert round((p.param_shards + p.grad_shards + p.optimizer_states) / GB, 1) == 16.4
-    assert 0.7 * GB < p.gathered_layers <= p.gathered_params < 3 * GB  # layer 0: it and the embedding
+    assert (
+        0.7 * GB < p.gathered_layers <= p.gathered_params < 3 * GB
+    )  # layer 0: it and the embedding
     # without tiling, the recompute keeps four 131,072 x 12,288 bf16 MLP intermediates (3.2 GB each)
     untiled = layer_saved_bytes(QWEN3_8B, 131_072, 8, tiled_mlp=False)
     assert untiled["MLP gate, up, act, product"] == 4 * 131_072 * 12_288 * 2
     big = plan(QWEN3_8B, T_1M, gpus=8, sp=8, tiled_mlp=False)
     assert big.layer_working_set > p.layer_working_set + 15 * GB
-    assert p.loss_detail["fp32 lm_head gradient accumulator (V x H)"] == 151_936 * 4096 * 4  # 2.5 GB
+    assert (
+        p.loss_detail["fp32 lm_head gradient accumulator (V x H)"] == 151_936 * 4096 * 4
+    )  # 2.5 GB
     assert p.fits and p.total < 56.2 * GB  # lighter than the public recipe
     assert not plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False, tiled_mlp=False).fits
 
@@ -216,7 +257,9 @@ def test_flops_match_design():
     assert p.flops_no_attn_recompute == pytest.approx(1.2e18, rel=0.01)
     assert p.step_time_s == pytest.approx(192, abs=1)  # at 989 TFLOP/s on 8 GPUs
     assert p.step_time_no_attn_recompute_s == pytest.approx(151, abs=1)
-    assert plan(QWEN3_8B, T_1M, gpus=8, sp=8, mfu=0.5).step_time_s == pytest.approx(2 * p.step_time_s)
+    assert plan(QWEN3_8B, T_1M, gpus=8, sp=8, mfu=0.5).step_time_s == pytest.approx(
+        2 * p.step_time_s
+    )
     two_rows = plan(QWEN3_8B, T_1M, gpus=16, sp=8)  # dp=2: twice the FLOPs, twice the GPUs
     assert two_rows.flops_full_recompute == 2 * p.flops_full_recompute
     assert two_rows.step_time_s == pytest.approx(p.step_time_s)
@@ -238,31 +281,53 @@ def test_max_seq_len_qwen3_8b():
     capped = max_seq_len(QWEN3_8B, host_mem_gb=1000, **kw)
     assert capped < n and plan(QWEN3_8B, capped, host_mem_gb=1000, **kw).fits_host
     assert not plan(QWEN3_8B, capped + 8192, host_mem_gb=1000, **kw).fits_host
-    three = plan(QWEN3_8B, 3 * 2**20, **kw)  # 3 GiB (3.2 GB) of layer input per GPU: 48 blocks of 64 MiB
+    three = plan(
+        QWEN3_8B, 3 * 2**20, **kw
+    )  # 3 GiB (3.2 GB) of layer input per GPU: 48 blocks of 64 MiB
     assert three.saved_inputs_host_per_gpu == 36 * 3 * GiB
     assert three.offload_bytes_per_step == 2 * 36 * 393_216 * 4096 * 2
     for nbytes in (1, 511, 513, 1000, 3 * 2**20 + 7, 10**9 + 1, 3 * GiB, 5 * GiB + 12345):
         got = pinned_bytes(nbytes)
-        assert nbytes <= got and (got <= 1.02 * nbytes or nbytes < 64 * 512)  # 512 B blocks below 32 KiB
+        assert nbytes <= got and (
+            got <= 1.02 * nbytes or nbytes < 64 * 512
+        )  # 512 B blocks below 32 KiB
         block = min(64 * 2**20, max(512, 2 ** math.floor(math.log2(max(1, nbytes // 64)))))
         assert got == math.ceil(nbytes / block) * block
     assert max_seq_len(QWEN3_8B, gpus=1, sp=1, gpu_mem_gb=16) == 0  # the fp32 state alone is 131 GB
 
 
 # ---- (e) bad inputs --------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(gpus=8, sp=3), r"sp \(3\) must divide the number of GPUs \(8\)"),
-    (dict(gpus=8, sp=8, seq_len=1004), r"seq_len \(1004\) must be a positive multiple of sp \(8\)"),
-    (dict(gpus=8, sp=4, dp=3), r"dp x sp must equal"),
-    (dict(gpus=16, sp=16), r"must fit in one node"),
-    (dict(gpus=8, sp=8, mfu=1.5), r"mfu"),
-    (dict(gpus=8, sp=8, loss_chunk=0), r"loss_chunk must be positive"),
-    (dict(gpus=6, sp=6, seq_len=6 * 2**17), r"32 heads cannot be split over sp=6"),
-    (dict(gpus=8, sp=8, config=replace(QWEN3_8B, num_attention_heads=20, num_key_value_heads=4)),
-     r"20 heads cannot be split over sp=8"),
-    (dict(gpus=4, sp=4, config=replace(QWEN3_8B, num_attention_heads=12, num_key_value_heads=6)),
-     r"6 kv heads cannot be split over sp=4"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(gpus=8, sp=3), r"sp \(3\) must divide the number of GPUs \(8\)"),
+        (
+            dict(gpus=8, sp=8, seq_len=1004),
+            r"seq_len \(1004\) must be a positive multiple of sp \(8\)",
+        ),
+        (dict(gpus=8, sp=4, dp=3), r"dp x sp must equal"),
+        (dict(gpus=16, sp=16), r"must fit in one node"),
+        (dict(gpus=8, sp=8, mfu=1.5), r"mfu"),
+        (dict(gpus=8, sp=8, loss_chunk=0), r"loss_chunk must be positive"),
+        (dict(gpus=6, sp=6, seq_len=6 * 2**17), r"32 heads cannot be split over sp=6"),
+        (
+            dict(
+                gpus=8,
+                sp=8,
+                config=replace(QWEN3_8B, num_attention_heads=20, num_key_value_heads=4),
+            ),
+            r"20 heads cannot be split over sp=8",
+        ),
+        (
+            dict(
+                gpus=4,
+                sp=4,
+                config=replace(QWEN3_8B, num_attention_heads=12, num_key_value_heads=6),
+            ),
+            r"6 kv heads cannot be split over sp=4",
+        ),
+    ],
+)
 def test_bad_inputs_raise(kwargs, match):
     cfg = kwargs.pop("config", QWEN3_8B)
     seq_len = kwargs.pop("seq_len", T_1M)
@@ -273,7 +338,10 @@ def test_bad_inputs_raise(kwargs, match):
 def test_kv_heads_repeat_when_sp_exceeds_them():
     cfg = replace(QWEN3_8B, num_key_value_heads=4)  # sp=8 > 4 kv heads: each is repeated twice
     saved = layer_saved_bytes(cfg, 131_072, 8)
-    q, kv = T_1M * 4 * 128 * 2, T_1M * 1 * 128 * 2  # per rank: 4 query heads, 1 kv head, whole sequence
+    q, kv = (
+        T_1M * 4 * 128 * 2,
+        T_1M * 1 * 128 * 2,
+    )  # per rank: 4 query heads, 1 kv head, whole sequence
     assert saved["q, k, v at SDPA [T, heads/sp, hd]"] == q + 2 * kv
 
 
@@ -281,8 +349,18 @@ def test_kv_heads_repeat_when_sp_exceeds_them():
 def test_format_and_dict():
     p = plan(QWEN3_8B, T_1M, gpus=8, sp=8, model="qwen3-8b")
     text = format_plan(p)
-    for s in ("fp32 parameter shards", "AdamW states", "gathered bf16 parameters", "host memory per node",
-              "1.521e+18", "longest sequence that fits", "public recipe", "380 s", "56.2 GB", "288 GiB"):
+    for s in (
+        "fp32 parameter shards",
+        "AdamW states",
+        "gathered bf16 parameters",
+        "host memory per node",
+        "1.521e+18",
+        "longest sequence that fits",
+        "public recipe",
+        "380 s",
+        "56.2 GB",
+        "288 GiB",
+    ):
         assert s in text, s
     d = plan_to_dict(p, longest=True)
     json.dumps(d)
@@ -290,14 +368,21 @@ def test_format_and_dict():
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, os.path.join("bench", "memory_plan.py"), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, os.path.join("bench", "memory_plan.py"), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_cli_table_json_errors(tmp_path):
     r = _cli("--model", "qwen3-8b", "--seq-len", "1048576", "--gpus", "8", "--sp", "8")
     assert r.returncode == 0, r.stderr
-    assert "peak = held + max" in r.stdout and "public recipe" in r.stdout and "1.521e+18" in r.stdout
+    assert (
+        "peak = held + max" in r.stdout and "public recipe" in r.stdout and "1.521e+18" in r.stdout
+    )
     assert "fused RMSNorm" in r.stdout and "[--unfused-norm: " in r.stdout
     u = _cli("--seq-len", "1048576", "--unfused-norm", "--json")
     assert u.returncode == 0, u.stderr
@@ -305,11 +390,29 @@ def test_cli_table_json_errors(tmp_path):
     assert d["fused_norm"] is False and d["total"] > plan(QWEN3_8B, T_1M, gpus=8, sp=8).total
 
     (tmp_path / "config.json").write_text(json.dumps(Qwen3Config.preset("qwen3-0.6b").to_hf()))
-    r = _cli("--model", str(tmp_path), "--seq-len", "65536", "--gpus", "2", "--no-offload",
-             "--no-tiled-mlp", "--loss-chunk", "512", "--gpu-mem-gb", "40", "--json")
+    r = _cli(
+        "--model",
+        str(tmp_path),
+        "--seq-len",
+        "65536",
+        "--gpus",
+        "2",
+        "--no-offload",
+        "--no-tiled-mlp",
+        "--loss-chunk",
+        "512",
+        "--gpu-mem-gb",
+        "40",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
-    assert d["sp"] == 2 and d["saved_inputs_gpu"] > 0 and d["loss_chunk"] == 512 and d["max_seq_len"] > 0
+    assert (
+        d["sp"] == 2
+        and d["saved_inputs_gpu"] > 0
+        and d["loss_chunk"] == 512
+        and d["max_seq_len"] > 0
+    )
 
     r = _cli("--gpus", "8", "--sp", "3")
     assert r.returncode == 2 and "sp (3) must divide the number of GPUs (8)" in r.stderr
@@ -325,8 +428,12 @@ def test_save_attention_flops_are_one_attention_forward_less():
     off = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=False)
     assert on.flops_step == on.flops_no_attn_recompute == pytest.approx(1.20e18, rel=0.01)
     assert off.flops_step == off.flops_full_recompute == pytest.approx(1.52e18, rel=0.01)
-    assert off.flops_step - on.flops_step == pytest.approx(36 * 2 * 2 * T_1M**2 / 2 * 32 * 128, rel=1e-12)
-    assert on.step_time_s == pytest.approx(151, abs=1) and off.step_time_s == pytest.approx(192, abs=1)
+    assert off.flops_step - on.flops_step == pytest.approx(
+        36 * 2 * 2 * T_1M**2 / 2 * 32 * 128, rel=1e-12
+    )
+    assert on.step_time_s == pytest.approx(151, abs=1) and off.step_time_s == pytest.approx(
+        192, abs=1
+    )
     assert on.step_time_s == pytest.approx(on.flops_step / (8 * 989e12), rel=1e-12)
 
 
@@ -341,18 +448,29 @@ def test_save_attention_host_bytes_are_the_pools():
         on = plan(QWEN3_8B, T, gpus=8, sp=8, save_attention=True)
         off = plan(QWEN3_8B, T, gpus=8, sp=8)
         t = T // 8
-        x, out, lse = t * 4096 * 2, T * 4 * 128 * 2, 4 * T * 4  # [t, H], [T, 32/8, 128] bf16, [32/8, T] fp32
+        x, out, lse = (
+            t * 4096 * 2,
+            T * 4 * 128 * 2,
+            4 * T * 4,
+        )  # [t, H], [T, 32/8, 128] bf16, [32/8, T] fp32
         assert out + lse == saved_attention_bytes(T, 32, 128, 2, sp=8)
         assert on.saved_attention_host_per_gpu == 35 * (host_bytes(out) + host_bytes(lse))
         assert on.saved_inputs_host_per_gpu == 35 * host_bytes(x)
-        assert off.saved_inputs_host_per_gpu == 36 * host_bytes(x) and off.saved_attention_host_per_gpu == 0
-        assert on.host_per_node - off.host_per_node == 8 * (35 * (host_bytes(out) + host_bytes(lse)) - host_bytes(x))
+        assert (
+            off.saved_inputs_host_per_gpu == 36 * host_bytes(x)
+            and off.saved_attention_host_per_gpu == 0
+        )
+        assert on.host_per_node - off.host_per_node == 8 * (
+            35 * (host_bytes(out) + host_bytes(lse)) - host_bytes(x)
+        )
         assert on.offload_bytes_per_step == 2 * 35 * (x + out + lse)
         key = "last layer's input, attention out and lse (attention once, on the device)"
         assert on.loss_detail[key] == x + out + lse and key not in off.loss_detail
         assert on.saved_attention_gpu == 0 and on.held == off.held
     at_1m = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
-    assert at_1m.saved_attention_host_per_gpu == 35 * (2**30 + 2**24)  # 1 GiB + 16 MiB per layer per GPU
+    assert at_1m.saved_attention_host_per_gpu == 35 * (
+        2**30 + 2**24
+    )  # 1 GiB + 16 MiB per layer per GPU
 
 
 def test_save_attention_without_offload_stays_on_the_gpu():
@@ -361,7 +479,9 @@ def test_save_attention_without_offload_stays_on_the_gpu():
     assert on.saved_attention_host_per_gpu == 0 and on.host_per_node == off.host_per_node
     assert on.saved_attention_gpu == 35 * (2**30 + 2**24)  # the layer in backward counts its own
     key = "last layer's input, attention out and lse (attention once, on the device)"
-    assert on.loss_detail[key] == 2**30 + 2**24  # its input is among the saved inputs on the GPU already
+    assert (
+        on.loss_detail[key] == 2**30 + 2**24
+    )  # its input is among the saved inputs on the GPU already
     assert on.total - off.total >= on.saved_attention_gpu
 
 
@@ -373,15 +493,30 @@ def test_pool_pins_what_the_plan_says():
 
     cfg = replace(TINY, num_hidden_layers=3)
     T = 256
-    for save, min_bytes in ((True, 0), (False, 0), (True, 16 * 1024)):  # lse (4 KiB) below 16 KiB stays
+    for save, min_bytes in (
+        (True, 0),
+        (False, 0),
+        (True, 16 * 1024),
+    ):  # lse (4 KiB) below 16 KiB stays
         torch.manual_seed(0)
         model = Qwen3(cfg)
         pool = apply_offload(model, min_bytes=min_bytes, save_attention=save)
         model(torch.randint(0, cfg.vocab_size, (1, T))).square().sum().backward()
         s = pool.reset_step()
-        p = plan(cfg, T, gpus=1, sp=1, compute_bytes=4, save_attention=save, offload_min_bytes=min_bytes,
-                 device="cpu")
-        assert s.pinned_bytes == p.saved_inputs_host_per_gpu + p.saved_attention_host_per_gpu, (save, min_bytes)
+        p = plan(
+            cfg,
+            T,
+            gpus=1,
+            sp=1,
+            compute_bytes=4,
+            save_attention=save,
+            offload_min_bytes=min_bytes,
+            device="cpu",
+        )
+        assert s.pinned_bytes == p.saved_inputs_host_per_gpu + p.saved_attention_host_per_gpu, (
+            save,
+            min_bytes,
+        )
         assert 2 * s.d2h_bytes == p.offload_bytes_per_step, (save, min_bytes)
     assert p.saved_attention_gpu == 2 * 4 * T * 4  # two layers' lse kept on the device
 
@@ -397,22 +532,55 @@ def test_choose_save_attention_and_longest_rows():
     assert plan(QWEN3_8B, n_on, save_attention=True, **kw).fits
     past = plan(QWEN3_8B, n_on + 8192, save_attention=True, **kw)
     assert past.fits_gpu and not past.fits_host  # host memory is what stops attention once
-    assert choose_save_attention(QWEN3_8B, n_on, **kw) and not choose_save_attention(QWEN3_8B, n_on + 8192, **kw)
-    assert choose_save_attention(QWEN3_8B, n_on + 8192, **{**kw, "host_mem_gb": None})  # no limit given
+    assert choose_save_attention(QWEN3_8B, n_on, **kw) and not choose_save_attention(
+        QWEN3_8B, n_on + 8192, **kw
+    )
+    assert choose_save_attention(
+        QWEN3_8B, n_on + 8192, **{**kw, "host_mem_gb": None}
+    )  # no limit given
 
 
 def test_plan_for_run_reads_save_attention():
     from types import SimpleNamespace
-    cfg = SimpleNamespace(seq_len=4 * T_1M, offload=True, offload_min_bytes=2**20, tile_mlp=16384, loss_chunk=256,
-                          gpu_mem_gb=80.0, host_mem_gb=2000.0, model="qwen3-8b")
+
+    cfg = SimpleNamespace(
+        seq_len=4 * T_1M,
+        offload=True,
+        offload_min_bytes=2**20,
+        tile_mlp=16384,
+        loss_chunk=256,
+        gpu_mem_gb=80.0,
+        host_mem_gb=2000.0,
+        model="qwen3-8b",
+    )
     auto = plan_for_run(cfg, QWEN3_8B, 8, 8, 1, torch.bfloat16, "cuda")  # no attribute: automatic
     assert not auto.save_attention and "over --host-mem-gb 2000" in auto.save_attention_why
-    assert auto.save_attention == choose_save_attention(QWEN3_8B, 4 * T_1M, gpus=8, sp=8, mlp_tile=16384,
-                                                        offload_min_bytes=2**20, host_mem_gb=2000.0)
-    forced = plan_for_run(SimpleNamespace(**vars(cfg), save_attention=True), QWEN3_8B, 8, 8, 1, 2, "cuda")
-    assert forced.save_attention and not forced.fits_host and forced.save_attention_why == "--save-attention"
-    short = plan_for_run(SimpleNamespace(**{**vars(cfg), "seq_len": T_1M}, save_attention=None),
-                         QWEN3_8B, 8, 8, 1, 2, "cuda")
+    assert auto.save_attention == choose_save_attention(
+        QWEN3_8B,
+        4 * T_1M,
+        gpus=8,
+        sp=8,
+        mlp_tile=16384,
+        offload_min_bytes=2**20,
+        host_mem_gb=2000.0,
+    )
+    forced = plan_for_run(
+        SimpleNamespace(**vars(cfg), save_attention=True), QWEN3_8B, 8, 8, 1, 2, "cuda"
+    )
+    assert (
+        forced.save_attention
+        and not forced.fits_host
+        and forced.save_attention_why == "--save-attention"
+    )
+    short = plan_for_run(
+        SimpleNamespace(**{**vars(cfg), "seq_len": T_1M}, save_attention=None),
+        QWEN3_8B,
+        8,
+        8,
+        1,
+        2,
+        "cuda",
+    )
     assert short.save_attention and short.flops_step == short.flops_no_attn_recompute
 
 
@@ -420,8 +588,15 @@ def test_dry_run_shows_both_variants():
     text = format_plan(plan(QWEN3_8B, T_1M, gpus=8, sp=8, host_mem_gb=2000, save_attention=True))
     n_on = max_seq_len(QWEN3_8B, gpus=8, sp=8, host_mem_gb=2000, save_attention=True)
     n_off = max_seq_len(QWEN3_8B, gpus=8, sp=8, host_mem_gb=2000, save_attention=False)
-    for s in ("kept (attention once) <- this run", "recomputed", "1.197e+18", "1.521e+18", f"{n_on:,}",
-              f"{n_off:,}", f"rows longer than {n_on:,} tokens need --no-save-attention"):
+    for s in (
+        "kept (attention once) <- this run",
+        "recomputed",
+        "1.197e+18",
+        "1.521e+18",
+        f"{n_on:,}",
+        f"{n_off:,}",
+        f"rows longer than {n_on:,} tokens need --no-save-attention",
+    ):
         assert s in text, s
     r = _cli("--seq-len", str(4 * T_1M), "--host-mem-gb", "2000")
     assert r.returncode == 0, r.stderr
@@ -440,16 +615,30 @@ def _pow2(n: int) -> int:
 def test_cpu_offload_moves_the_state_to_host():
     from model.qwen3 import Qwen3
 
-    kw = dict(gpus=8, sp=8, host_mem_gb=2000, save_attention=False, mlp_tile=16384, offload_min_bytes=2**20)
+    kw = dict(
+        gpus=8,
+        sp=8,
+        host_mem_gb=2000,
+        save_attention=False,
+        mlp_tile=16384,
+        offload_min_bytes=2**20,
+    )
     off, on = plan(QWEN3_8B, T_1M, **kw), plan(QWEN3_8B, T_1M, cpu_offload=True, **kw)
     with torch.device("meta"):
         shapes = [p.shape for p in Qwen3(QWEN3_8B).parameters()]
-    rows = [-(-s[0] // 8) * math.prod(s[1:]) for s in shapes]  # rank 0's padded shard of each parameter
+    rows = [
+        -(-s[0] // 8) * math.prod(s[1:]) for s in shapes
+    ]  # rank 0's padded shard of each parameter
     # host per GPU: parameter and gradient shards pinned one buffer each, the two AdamW moments pageable
     state = sum(2 * _pow2(4 * n) + 2 * 4 * n for n in rows)
     assert on.state_host_per_gpu == state and on.host_per_node - off.host_per_node == 8 * state
-    assert 1.1 < state / (16 * sum(rows)) < 1.25  # the rounding costs 10-25% over the 16 B per parameter
-    assert off.held - on.held == 3 * 4 * sum(rows) and "gradient shards reduced so far" not in on.layer_detail
+    assert (
+        1.1 < state / (16 * sum(rows)) < 1.25
+    )  # the rounding costs 10-25% over the 16 B per parameter
+    assert (
+        off.held - on.held == 3 * 4 * sum(rows)
+        and "gradient shards reduced so far" not in on.layer_detail
+    )
     # the GPU keeps one unit's fp32 shards on their way in and one unit's gradient shards on their way out
     layer = sum(rows[1:12])  # rows[0] is the embedding, then layer 0's 11 parameters
     staged = {k: v for k, v in on.layer_detail.items() if "(CPU offload)" in k}
@@ -460,9 +649,15 @@ def test_cpu_offload_moves_the_state_to_host():
     # [norm + lm_head] unit, which stay gathered from forward to backward), every gradient shard out
     head = rows[-1] + rows[-2]
     assert on.state_transfer_bytes_per_step == 4 * (2 * sum(rows) - layer - head) + 4 * sum(rows)
-    assert on.cpu_adamw_bytes_per_node == 8 * 23 * 4 * sum(rows) and on.cpu_adamw_time_s == pytest.approx(
-        on.cpu_adamw_bytes_per_node / 200e9)
-    assert off.state_host_per_gpu == off.state_transfer_bytes_per_step == off.cpu_adamw_bytes_per_node == 0
+    assert on.cpu_adamw_bytes_per_node == 8 * 23 * 4 * sum(
+        rows
+    ) and on.cpu_adamw_time_s == pytest.approx(on.cpu_adamw_bytes_per_node / 200e9)
+    assert (
+        off.state_host_per_gpu
+        == off.state_transfer_bytes_per_step
+        == off.cpu_adamw_bytes_per_node
+        == 0
+    )
     # issue 12's goals, projected at the recipe: <= 30 GB per GPU, >= 5,242,880 tokens on 8 x 80 GB
     assert on.total <= 30 * GB < off.total
     assert max_seq_len(QWEN3_8B, cpu_offload=True, **kw) >= 5_242_880 > max_seq_len(QWEN3_8B, **kw)
@@ -470,12 +665,23 @@ def test_cpu_offload_moves_the_state_to_host():
 
 def test_cpu_offload_through_plan_for_run_cli_and_table():
     from types import SimpleNamespace
-    cfg = SimpleNamespace(seq_len=T_1M, offload=True, offload_min_bytes=2**20, tile_mlp=16384, loss_chunk=256,
-                          gpu_mem_gb=80.0, host_mem_gb=2000.0, model="qwen3-8b", cpu_offload=True)
+
+    cfg = SimpleNamespace(
+        seq_len=T_1M,
+        offload=True,
+        offload_min_bytes=2**20,
+        tile_mlp=16384,
+        loss_chunk=256,
+        gpu_mem_gb=80.0,
+        host_mem_gb=2000.0,
+        model="qwen3-8b",
+        cpu_offload=True,
+    )
     p = plan_for_run(cfg, QWEN3_8B, 8, 8, 1, torch.bfloat16, "cuda")
     assert p.cpu_offload and p.state_host_per_gpu > 0
-    assert not plan_for_run(SimpleNamespace(**{**vars(cfg), "cpu_offload": False}), QWEN3_8B, 8, 8, 1, 2,
-                            "cuda").cpu_offload
+    assert not plan_for_run(
+        SimpleNamespace(**{**vars(cfg), "cpu_offload": False}), QWEN3_8B, 8, 8, 1, 2, "cuda"
+    ).cpu_offload
     text = format_plan(p)
     assert "in host memory (CPU offload)" in text and "with --no-cpu-offload" in text
     assert "with --cpu-offload" in format_plan(plan(QWEN3_8B, T_1M, gpus=8, sp=8, host_mem_gb=2000))

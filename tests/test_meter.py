@@ -38,7 +38,9 @@ def test_meter_counts_a_known_chain():
         e, x = _chain("cpu")
     assert m.start_bytes == MiB
     assert m.peak_bytes == MiB + 4 * MiB
-    assert m.end_bytes == MiB + e.untyped_storage().nbytes() + 2 * x.untyped_storage().nbytes()  # x and x.grad
+    assert (
+        m.end_bytes == MiB + e.untyped_storage().nbytes() + 2 * x.untyped_storage().nbytes()
+    )  # x and x.grad
 
 
 def test_meter_leaves_out_host_buffers():
@@ -83,7 +85,13 @@ def _gather(rank, world):
             time.sleep(0.2)
         with StepMeter("cpu", model=lin, baseline=[x]) as b:
             y.sum().backward()
-        out[reshard] = (m.start_bytes, m.end_bytes, m.peak_bytes, y.untyped_storage().nbytes(), b.peak_bytes)
+        out[reshard] = (
+            m.start_bytes,
+            m.end_bytes,
+            m.peak_bytes,
+            y.untyped_storage().nbytes(),
+            b.peak_bytes,
+        )
     return out
 
 
@@ -94,8 +102,12 @@ def test_meter_sees_fsdp2_gathered_parameters_and_backward():
         for reshard, (start, end, peak, out, bwd) in r.items():
             assert start == 256 * 128 * 4 + 4 * 256 * 4  # the shard and x
             assert peak >= start + full + out  # the gathered weight while the output is made
-            assert end == start + out + (0 if reshard else full)  # resharded: the full weight is gone
-            assert bwd >= start + full + 256 * 256 * 4  # gathered weight and its full gradient in backward
+            assert end == start + out + (
+                0 if reshard else full
+            )  # resharded: the full weight is gone
+            assert (
+                bwd >= start + full + 256 * 256 * 4
+            )  # gathered weight and its full gradient in backward
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -127,8 +139,12 @@ def test_rmsnorm_chunks_same_numbers_less_memory(dtype, monkeypatch):
     X = n * d * x.element_size()
     # y, dx (X each) and the [N, 1] rstd, plus fp32 temporaries of one 512-row chunk
     assert chunked[3] <= 2 * X + n * 4 + 6 * 512 * d * 4 + 4 * d * 4
-    assert whole[3] >= chunked[3] + 4 * n * d * 4 - 6 * 512 * d * 4  # one chunk: several fp32 copies of x
-    print(f"{dtype}: norm forward+backward above inputs: whole {whole[3]:,} B, chunked {chunked[3]:,} B")
+    assert (
+        whole[3] >= chunked[3] + 4 * n * d * 4 - 6 * 512 * d * 4
+    )  # one chunk: several fp32 copies of x
+    print(
+        f"{dtype}: norm forward+backward above inputs: whole {whole[3]:,} B, chunked {chunked[3]:,} B"
+    )
 
 
 @pytest.mark.slow
@@ -138,15 +154,44 @@ def test_train_measure_memory_records_measured_and_planned(tmp_path):
     import json
 
     from dist_utils import run_train
+
     from memory.plan import plan
     from model.config import Qwen3Config
 
-    r = run_train(1, "--model", "tiny", "--steps", "2", "--seq-len", "2048", "--measure-memory", "--no-save-final",
-                  "--out", str(tmp_path), "--offload-min-bytes", "0", "--tile-mlp", "256", "--loss-chunk", "128",
-                  "--dtype", "float32")
+    r = run_train(
+        1,
+        "--model",
+        "tiny",
+        "--steps",
+        "2",
+        "--seq-len",
+        "2048",
+        "--measure-memory",
+        "--no-save-final",
+        "--out",
+        str(tmp_path),
+        "--offload-min-bytes",
+        "0",
+        "--tile-mlp",
+        "256",
+        "--loss-chunk",
+        "128",
+        "--dtype",
+        "float32",
+    )
     rec = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")][-1]
-    p = plan(Qwen3Config.preset("tiny"), 2048, gpus=1, sp=1, offload=True, tiled_mlp=True, mlp_tile=256,
-             loss_chunk=128, compute_bytes=4, device="cpu")
+    p = plan(
+        Qwen3Config.preset("tiny"),
+        2048,
+        gpus=1,
+        sp=1,
+        offload=True,
+        tiled_mlp=True,
+        mlp_tile=256,
+        loss_chunk=128,
+        compute_bytes=4,
+        device="cpu",
+    )
     assert rec["planned_peak_gb"] == p.total / 1e9
     assert abs(rec["peak_mem_gb"] / rec["planned_peak_gb"] - 1) <= 0.05, rec
     assert "GB measured" in r.stdout and "GB planned" in r.stdout

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from hf_ref import config_variants, hf_model, save_hf
 from transformers.models.qwen3 import modeling_qwen3
 
-from hf_ref import config_variants, hf_model, save_hf
 from model.config import Qwen3Config
 from model.qwen3 import Qwen3, rope_cos_sin, rope_inv_freq
 from model.weights import load_safetensors, save_safetensors
@@ -27,7 +27,9 @@ def _fp64_rope_forward(self, x, position_ids):
     it use float64 there, exactly as our model does. Frequencies stay transformers' own."""
     freqs = position_ids[..., None].double() * self.inv_freq.double()
     emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (
+        emb.sin() * self.attention_scaling
+    ).to(x.dtype)
 
 
 def _load_ours(ref, tmp_path):
@@ -102,6 +104,7 @@ def test_rope_angles_float64_at_a_million():
 
 def _hf_cfg(cfg):
     from hf_ref import hf_config
+
     return hf_config(cfg)
 
 
@@ -110,11 +113,19 @@ def test_save_then_transformers_loads(tmp_path):
     ref = hf_model(cfg)
     ours = _load_ours(ref, tmp_path / "in")
     (tmp_path / "in" / "tokenizer.json").write_text("{}")
-    files = save_safetensors(ours, str(tmp_path / "out"), dtype=torch.float32, max_shard_bytes=60_000,
-                             tokenizer_dir=str(tmp_path / "in"), progress=False)
+    files = save_safetensors(
+        ours,
+        str(tmp_path / "out"),
+        dtype=torch.float32,
+        max_shard_bytes=60_000,
+        tokenizer_dir=str(tmp_path / "in"),
+        progress=False,
+    )
     assert len(files) > 1 and (tmp_path / "out" / "model.safetensors.index.json").exists()
     assert (tmp_path / "out" / "tokenizer.json").exists()
-    back = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path / "out"), torch_dtype=torch.float32).eval()
+    back = transformers.Qwen3ForCausalLM.from_pretrained(
+        str(tmp_path / "out"), torch_dtype=torch.float32
+    ).eval()
     assert back.config.rope_parameters["rope_type"] == "yarn"
     ids = torch.randint(0, cfg.vocab_size, (1, 300))
     with torch.no_grad():
@@ -127,6 +138,7 @@ def test_tied_save_omits_lm_head_and_bf16_default(tmp_path):
     ours.init_weights()
     save_safetensors(ours, str(tmp_path), progress=False)
     from safetensors import safe_open
+
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
@@ -150,6 +162,7 @@ def test_bad_checkpoints_are_reported_together(tmp_path):
     sd["model.layers.0.mlp.extra.weight"] = torch.zeros(3)
     sd["model.norm.weight"] = torch.zeros(7)
     from safetensors.torch import save_file
+
     save_file(sd, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError) as e:
         load_safetensors(Qwen3(cfg), str(tmp_path), progress=False)
@@ -166,17 +179,26 @@ def test_bad_paths_and_configs(tmp_path):
         load_safetensors(Qwen3(VARIANTS["untied-gqa2"]), str(tmp_path))
     with pytest.raises(FileNotFoundError, match="config.json"):
         Qwen3Config.from_hf(str(tmp_path / "nope"))
-    llama = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
-             "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}
+    llama = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     (tmp_path / "config.json").write_text(json.dumps(llama))
     with pytest.raises(ValueError, match="not a dense Qwen3"):
         Qwen3Config.from_hf(str(tmp_path))
     base = {**VARIANTS["untied-gqa2"].to_hf()}
-    for bad, match in ((dict(use_sliding_window=True), "sliding-window"),
-                       (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "not a dense"),
-                       (dict(num_experts=8), "mixture-of-experts"),
-                       (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE type 'dynamic'"),
-                       (dict(num_key_value_heads=3), "multiple of")):
+    for bad, match in (
+        (dict(use_sliding_window=True), "sliding-window"),
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "not a dense"),
+        (dict(num_experts=8), "mixture-of-experts"),
+        (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE type 'dynamic'"),
+        (dict(num_key_value_heads=3), "multiple of"),
+    ):
         with pytest.raises(ValueError, match=match):
             Qwen3Config.from_hf({**base, **bad})
     with pytest.raises(ValueError, match="unknown Qwen3 preset"):
@@ -187,8 +209,12 @@ def test_from_hf_reads_both_rope_layouts():
     cfg = Qwen3Config.preset("qwen3-8b").with_yarn(32, 32768)
     old = cfg.to_hf()  # rope_theta + rope_scaling
     new = {k: v for k, v in old.items() if k not in ("rope_theta", "rope_scaling")}
-    new["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 32.0,
-                              "original_max_position_embeddings": 32768}
+    new["rope_parameters"] = {
+        "rope_type": "yarn",
+        "rope_theta": 1e6,
+        "factor": 32.0,
+        "original_max_position_embeddings": 32768,
+    }
     assert Qwen3Config.from_hf(old) == cfg
     assert Qwen3Config.from_hf(new) == cfg
     hf = _hf_cfg(cfg).to_dict()  # whatever layout the installed transformers writes
@@ -200,6 +226,7 @@ def test_rmsnorm_matches_autograd_and_saves_only_input_and_rstd(dtype):
     """Our RMSNorm's hand-written backward equals autograd through transformers' expression,
     while keeping just x and one fp32 number per row for backward."""
     from model.qwen3 import RMSNorm
+
     ref = modeling_qwen3.Qwen3RMSNorm(64, eps=1e-6).to(dtype)
     ours = RMSNorm(64, 1e-6).to(dtype)
     with torch.no_grad():
@@ -208,8 +235,9 @@ def test_rmsnorm_matches_autograd_and_saves_only_input_and_rstd(dtype):
     x = torch.randn(4, 9, 64, dtype=dtype)
     dy = torch.randn(4, 9, 64, dtype=dtype)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
-                                                  lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t
+    ):
         xo = x.clone().requires_grad_()
         yo = ours(xo)
     xr = x.clone().requires_grad_()

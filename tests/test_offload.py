@@ -14,11 +14,18 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-
 from dist_utils import run_distributed
+
 from model.config import Qwen3Config
-from model.offload import (OffloadPool, apply_offload, host_block_bytes, host_bytes, remove_offload,
-                           set_mlp_tiling, tiled_mlp)
+from model.offload import (
+    OffloadPool,
+    apply_offload,
+    host_block_bytes,
+    host_bytes,
+    remove_offload,
+    set_mlp_tiling,
+    tiled_mlp,
+)
 from model.qwen3 import MLP, DecoderLayer, Qwen3, rope_cos_sin
 
 CFG = replace(Qwen3Config.preset("tiny"), num_hidden_layers=3)  # 3 layers: a prefetch chain
@@ -56,7 +63,9 @@ def _model(seed: int = 0) -> Qwen3:
 
 
 def _ids(seed: int, batch: int = B) -> torch.Tensor:
-    return torch.randint(0, CFG.vocab_size, (batch, T), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(
+        0, CFG.vocab_size, (batch, T), generator=torch.Generator().manual_seed(seed)
+    )
 
 
 def _loss(m, ids):
@@ -95,10 +104,14 @@ def test_wrapped_model_matches_unwrapped(offload, tile):
         for n in grads0:
             _same(grads[n], grads0[n], exact=tile is None)
         s = pool.reset_step()
-        moved = L * X_BYTES if offload else 0  # layers x tokens x hidden x 4 B, each way; no cos/sin
+        moved = (
+            L * X_BYTES if offload else 0
+        )  # layers x tokens x hidden x 4 B, each way; no cos/sin
         assert (s.d2h_bytes, s.h2d_bytes) == (moved, moved)
         assert s.prefetched == (L - 1 if offload else 0)  # all but the first recompute prefetched
-        assert s.host_allocs == (L * X_BLOCKS if offload and step == 0 else 0)  # blocks, step 1 only
+        assert s.host_allocs == (
+            L * X_BLOCKS if offload and step == 0 else 0
+        )  # blocks, step 1 only
         assert s.in_use_buffers == 0 and s.pool_bytes == moved
         assert s.pinned_bytes == (L * X_BLOCKS * _block_ref(X_BYTES) if offload else 0)
 
@@ -117,8 +130,12 @@ def test_ten_steps_hold_no_more_buffers():
         assert s.host_allocs == (CFG.num_hidden_layers * X_BLOCKS if step == 0 else 0)
         if step in (1, 9):
             gc.collect()
-            live.append(sum(1 for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter)))
-    assert set(seen) == {(CFG.num_hidden_layers * X_BYTES, CFG.num_hidden_layers * X_BLOCKS, 0, 0)}, seen
+            live.append(
+                sum(1 for o in gc.get_objects() if type(o) in (torch.Tensor, torch.nn.Parameter))
+            )
+    assert set(seen) == {
+        (CFG.num_hidden_layers * X_BYTES, CFG.num_hidden_layers * X_BLOCKS, 0, 0)
+    }, seen
     assert live[0] == live[1]  # no tensor accumulates anywhere from step 2 to step 10
 
 
@@ -175,8 +192,10 @@ def test_retain_graph_remove_and_misuse():
     with pytest.raises(RuntimeError, match="already wrapped"):
         apply_offload(m)
     remove_offload(m)
-    assert all("forward" not in layer.__dict__ and "forward" not in layer.mlp.__dict__
-               for layer in m.model.layers)
+    assert all(
+        "forward" not in layer.__dict__ and "forward" not in layer.mlp.__dict__
+        for layer in m.model.layers
+    )
     with pytest.raises(TypeError, match="no `model.layers`"):
         apply_offload(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="positive"):
@@ -202,7 +221,10 @@ def test_tiled_mlp_matches_mlp(tile):
     for a, b in zip(g, g0):  # fp32 up to summation order (weight grads sum over the tiles)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
     # bf16: weight grads accumulate over tiles in fp32, so tiling costs no extra rounding drift
-    w = [p.detach().bfloat16().requires_grad_() for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)]
+    w = [
+        p.detach().bfloat16().requires_grad_()
+        for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    ]
     xb = x.detach().bfloat16()
     yb = tiled_mlp(xb, *w, tile)
     gb = torch.autograd.grad(yb, w, dy.bfloat16())
@@ -230,7 +252,11 @@ def test_tiled_mlp_follows_autocast():
 
 
 # ---- FSDP2 on 2 gloo processes ------------------------------------------------------------------
-FSDP_CASES = [("before", True, 5), ("after", True, None), ("after", False, 5)]  # fully_shard order, offload, tile
+FSDP_CASES = [
+    ("before", True, 5),
+    ("after", True, None),
+    ("after", False, 5),
+]  # fully_shard order, offload, tile
 
 
 def _fsdp_worker(rank, world):
@@ -274,11 +300,15 @@ def test_fsdp2_matches_one_process():
             for step, (loss, grads, s) in enumerate(steps):
                 assert loss == pytest.approx(losses[rank].item(), rel=1e-6)
                 for n, p in ref.named_parameters():
-                    torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=f"{case} {n}")
+                    torch.testing.assert_close(
+                        grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=f"{case} {n}"
+                    )
                 x_bytes = T * CFG.hidden_size * 4  # one rank's fp32 row
                 moved = CFG.num_hidden_layers * x_bytes if offload else 0
                 assert (s.d2h_bytes, s.h2d_bytes, s.pool_bytes) == (moved, moved, moved)
-                assert s.host_allocs == (CFG.num_hidden_layers * _blocks_ref(x_bytes) if offload and step == 0 else 0)
+                assert s.host_allocs == (
+                    CFG.num_hidden_layers * _blocks_ref(x_bytes) if offload and step == 0 else 0
+                )
 
 
 def test_bench_runs_on_cpu():
@@ -290,7 +320,9 @@ def test_bench_runs_on_cpu():
     assert max(norms) - min(norms) <= 1e-5 * max(norms)  # every mode computes the same gradient
     assert r["modes"]["offload"]["d2h_mib"] * (1 << 20) == 2 * 64 * 64 * 4
     assert r["modes"]["offload"]["host_allocs_after_warmup"] == 0
-    assert r["modes"]["offload"]["pinned_mib"] * (1 << 20) == 2 * 64 * 64 * 4  # 16 KiB: 32 whole 512 B blocks
+    assert (
+        r["modes"]["offload"]["pinned_mib"] * (1 << 20) == 2 * 64 * 64 * 4
+    )  # 16 KiB: 32 whole 512 B blocks
     assert "offload_tiled" in format_table(r)
 
 
@@ -305,15 +337,25 @@ def test_host_blocks_follow_the_formula_and_waste_under_2_percent():
     import random
 
     rnd = random.Random(0)
-    sizes = [131_072 * 4096 * 2, 3 * GIB, 5 * 131_072 * 4096 * 2, 999 * 50 * 2, 999 * 50 * 4]  # recipe rows
-    sizes += [m << k for k in range(15, 41) for m in (1, 3)] + [(1 << k) + d for k in range(15, 41) for d in (-1, 1)]
+    sizes = [
+        131_072 * 4096 * 2,
+        3 * GIB,
+        5 * 131_072 * 4096 * 2,
+        999 * 50 * 2,
+        999 * 50 * 4,
+    ]  # recipe rows
+    sizes += [m << k for k in range(15, 41) for m in (1, 3)] + [
+        (1 << k) + d for k in range(15, 41) for d in (-1, 1)
+    ]
     sizes += [int(2 ** rnd.uniform(15, 40)) for _ in range(2000)]
     worst = 0.0
     for n in sizes:
         b = _block_ref(n)
         assert host_block_bytes(n) == b, n
         assert host_bytes(n) == _blocks_ref(n) * b, n
-        assert b & (b - 1) == 0 and 512 <= b <= 64 << 20  # a power of two: the pinned allocator adds nothing
+        assert (
+            b & (b - 1) == 0 and 512 <= b <= 64 << 20
+        )  # a power of two: the pinned allocator adds nothing
         assert n <= host_bytes(n) < n + b
         worst = max(worst, host_bytes(n) / n)
     assert worst <= 1.02
@@ -324,13 +366,16 @@ def test_host_blocks_follow_the_formula_and_waste_under_2_percent():
         host_block_bytes(-1)
 
 
-@pytest.mark.parametrize("count,shape,dtype", [
-    (3, (1, 128, 64), torch.float32),  # 32 KiB: 64 blocks of 512 B
-    (2, (1, 999, 50), torch.bfloat16),  # 99,900 B: 97 full blocks of 1 KiB and a partial one
-    (4, (1, 999, 50), torch.float32),
-    (1, (3, 1001, 333), torch.float32),  # 4.0 MB: 65 blocks of 64 KiB
-    (2, (1, 4097, 2049), torch.bfloat16),  # 16.8 MB: 65 blocks of 256 KiB
-])
+@pytest.mark.parametrize(
+    "count,shape,dtype",
+    [
+        (3, (1, 128, 64), torch.float32),  # 32 KiB: 64 blocks of 512 B
+        (2, (1, 999, 50), torch.bfloat16),  # 99,900 B: 97 full blocks of 1 KiB and a partial one
+        (4, (1, 999, 50), torch.float32),
+        (1, (3, 1001, 333), torch.float32),  # 4.0 MB: 65 blocks of 64 KiB
+        (2, (1, 4097, 2049), torch.bfloat16),  # 16.8 MB: 65 blocks of 256 KiB
+    ],
+)
 def test_reserve_allocates_the_formula_in_real_buffers(count, shape, dtype):
     n = math.prod(shape) * dtype.itemsize
     pool = OffloadPool(min_bytes=0)
@@ -341,7 +386,12 @@ def test_reserve_allocates_the_formula_in_real_buffers(count, shape, dtype):
     assert len(blocks) == count * _blocks_ref(n) == r["blocks"]
     assert {blk.numel() for blk in blocks} == {_block_ref(n)}
     s = pool.stats()
-    assert (s.pinned_bytes, s.pool_bytes, s.pool_buffers, s.host_allocs) == (real, count * n, len(blocks), 0)
+    assert (s.pinned_bytes, s.pool_bytes, s.pool_buffers, s.host_allocs) == (
+        real,
+        count * n,
+        len(blocks),
+        0,
+    )
     assert real <= 1.02 * count * n
     # reserving adds room; inputs below min_bytes stay on the device, so nothing to reserve for them
     pool.reserve(1, shape, dtype, "cpu")
@@ -354,7 +404,9 @@ def test_reserve_allocates_the_formula_in_real_buffers(count, shape, dtype):
         pool.reserve(1, shape, dtype, "meta")
 
 
-ODD = replace(CFG, hidden_size=50, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
+ODD = replace(
+    CFG, hidden_size=50, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64
+)
 ODD_T = 999  # 999 x 50 elements: no block size divides a layer input
 
 
@@ -420,8 +472,15 @@ def test_reserved_pool_odd_sizes_ten_steps(device, dtype):
                 assert torch.equal(a, b), (a - b).abs().max()
         s = pool.reset_step()
         assert (s.d2h_bytes, s.h2d_bytes, s.d2h_copies, s.prefetched) == (L * n, L * n, L, L - 1)
-        assert (s.host_allocs, s.in_use_buffers) == (0, 0)  # reserved: nothing allocated in any step
-        assert (s.pool_buffers, s.pinned_bytes, s.pool_bytes) == (L * k, r["pinned_bytes"], L * n)  # no growth
+        assert (s.host_allocs, s.in_use_buffers) == (
+            0,
+            0,
+        )  # reserved: nothing allocated in any step
+        assert (s.pool_buffers, s.pinned_bytes, s.pool_bytes) == (
+            L * k,
+            r["pinned_bytes"],
+            L * n,
+        )  # no growth
         assert s.pinned_bytes <= 1.02 * s.pool_bytes
         if cuda:
             assert all(blk.is_pinned() for free in pool._free.values() for blk, _ in free)
@@ -446,7 +505,9 @@ def test_bf16_tiled_offload_matches_plain_checkpoint(device):
         loss, g = _step(m, ids)
         assert abs(loss.item() - loss0.item()) < 2e-2
         for n in g0:
-            torch.testing.assert_close(g[n].float(), g0[n].float(), rtol=0.05, atol=0.05 * g0[n].abs().max().item())
+            torch.testing.assert_close(
+                g[n].float(), g0[n].float(), rtol=0.05, atol=0.05 * g0[n].abs().max().item()
+            )
         s = pool.reset_step()
         assert s.host_allocs == (CFG.num_hidden_layers * _blocks_ref(x_bytes) if step == 0 else 0)
         assert s.d2h_bytes == CFG.num_hidden_layers * x_bytes

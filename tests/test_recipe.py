@@ -15,31 +15,60 @@ import os
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from hf_ref import hf_config, hf_model, ref_loss_and_norm, save_hf
-from model.config import Qwen3Config
 from dist_utils import run_train
+from hf_ref import hf_config, hf_model, ref_loss_and_norm, save_hf
+from safetensors.torch import load_file
 from test_train import CFG, metrics  # the tiny Qwen3 every train.py test uses
+
+from model.config import Qwen3Config
 
 TIED = dataclasses.replace(CFG, tie_word_embeddings=True)
 YARN = (4.0, 16)  # factor, original_max_position_embeddings: rows of 64 reach position 63 > 16
 SEQ, ROWS = 64, 8
-U = 2.0 ** -8  # bf16 machine epsilon; one rounding is at most u/2 relative
+U = 2.0**-8  # bf16 machine epsilon; one rounding is at most u/2 relative
 
 
 def _args(d, model, *, steps, dtype="float32"):
-    return ["--model", str(d / model), "--data", f"tokens:{d / 'tokens.npy'}", "--seq-len", str(SEQ),
-            "--steps", str(steps), "--lr", "1e-2", "--weight-decay", "0.1", "--warmup-steps", str(int(steps > 2)),
-            "--decay", "cosine", "--min-lr-ratio", "0", "--grad-clip", "1.0", "--dtype", dtype,
-            "--adam-eps", "1e-6",  # see test_train: rounding-noise gradients must not move a full lr
-            "--save-dtype", "float32", "--loss-chunk", "16"]
+    return [
+        "--model",
+        str(d / model),
+        "--data",
+        f"tokens:{d / 'tokens.npy'}",
+        "--seq-len",
+        str(SEQ),
+        "--steps",
+        str(steps),
+        "--lr",
+        "1e-2",
+        "--weight-decay",
+        "0.1",
+        "--warmup-steps",
+        str(int(steps > 2)),
+        "--decay",
+        "cosine",
+        "--min-lr-ratio",
+        "0",
+        "--grad-clip",
+        "1.0",
+        "--dtype",
+        dtype,
+        "--adam-eps",
+        "1e-6",  # see test_train: rounding-noise gradients must not move a full lr
+        "--save-dtype",
+        "float32",
+        "--loss-chunk",
+        "16",
+    ]
 
 
 # Every layout: (processes, flags, rows per step). bf16 runs take the whole bf16 path: FSDP2
 # param_dtype bf16 with fp32 reduction, offload of every layer input, tiled MLP, chunked loss.
 BF16_EXTRA = ["--offload", "--offload-min-bytes", "0", "--tile-mlp", "16"]
-LAYOUTS = {"1proc": (1, ["--sp", "1"], 1), "sp2": (2, ["--sp", "2"], 1), "dp2xsp2": (4, ["--sp", "2"], 2)}
+LAYOUTS = {
+    "1proc": (1, ["--sp", "1"], 1),
+    "sp2": (2, ["--sp", "2"], 1),
+    "dp2xsp2": (4, ["--sp", "2"], 2),
+}
 
 
 class Runs:
@@ -72,18 +101,25 @@ def env(tmp_path_factory):
 def reference(cfg: Qwen3Config, weights: dict):
     """transformers in fp32, built from cfg (YaRN and tying as cfg says), holding `weights`."""
     import transformers
+
     torch.manual_seed(0)
     m = transformers.Qwen3ForCausalLM(hf_config(cfg)).float().eval()
     missing, unexpected = m.load_state_dict(weights, strict=False)
-    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    assert not unexpected and set(missing) <= (
+        {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    )
     if cfg.tie_word_embeddings:
         assert m.lm_head.weight is m.model.embed_tokens.weight
     return m
 
 
 def initial(d, model):
-    return {k: v for f in sorted(os.listdir(d / model)) if f.endswith(".safetensors")
-            for k, v in load_file(str(d / model / f)).items()}
+    return {
+        k: v
+        for f in sorted(os.listdir(d / model))
+        if f.endswith(".safetensors")
+        for k, v in load_file(str(d / model / f)).items()
+    }
 
 
 def final(out):
@@ -96,7 +132,7 @@ loss_and_norm = ref_loss_and_norm  # (loss, grad norm, logits rms) of transforme
 def step_rows(d, step: int, per_step: int) -> np.ndarray:
     """The rows step `step` (1-based) reads: dp rank r of a step takes the next row after rank r-1."""
     rows = np.load(d / "tokens.npy")
-    return rows[(step - 1) * per_step: step * per_step]
+    return rows[(step - 1) * per_step : step * per_step]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +171,14 @@ def _bf16(env, layout):
     d, runs = env
     n, flags, per = LAYOUTS[layout]
     save = ["--save-every", "2"] if layout == "dp2xsp2" else []  # the resume test starts from it
-    out = runs.get(f"bf16-{layout}", n, *_args(d, "model", steps=4, dtype="bfloat16"), *flags, *BF16_EXTRA, *save)
+    out = runs.get(
+        f"bf16-{layout}",
+        n,
+        *_args(d, "model", steps=4, dtype="bfloat16"),
+        *flags,
+        *BF16_EXTRA,
+        *save,
+    )
     return out, per
 
 
@@ -160,9 +203,11 @@ def test_bf16_matches_fp32_and_transformers(env, layout):
         loss, norm, z_rms = loss_and_norm(ref, rows)
         tol = bf16_loss_tol(z_rms, rows.shape[0] * SEQ)
         got = m[step - 1]
-        print(f"bf16 {layout} step {step}: loss {got['loss']:.6f} vs transformers fp32 {loss:.6f} "
-              f"(|d| {abs(got['loss'] - loss):.2e}, tol {tol:.2e}); grad_norm {got['grad_norm']:.6f} vs "
-              f"{norm:.6f} (rel {abs(got['grad_norm'] / norm - 1):.2e}, tol {BF16_NORM_RTOL:.2e})")
+        print(
+            f"bf16 {layout} step {step}: loss {got['loss']:.6f} vs transformers fp32 {loss:.6f} "
+            f"(|d| {abs(got['loss'] - loss):.2e}, tol {tol:.2e}); grad_norm {got['grad_norm']:.6f} vs "
+            f"{norm:.6f} (rel {abs(got['grad_norm'] / norm - 1):.2e}, tol {BF16_NORM_RTOL:.2e})"
+        )
         assert abs(got["loss"] - loss) <= tol
         assert got["grad_norm"] == pytest.approx(norm, rel=BF16_NORM_RTOL)
         if ours32 is not None:  # the fp32 run of the same rows: transformers to fp32 rounding
@@ -183,9 +228,13 @@ def test_fp32_several_steps_match_transformers(env, per):
     out = _fp32(env, per)
     m = metrics(out)
     loss, norm, _ = loss_and_norm(reference(CFG, final(out)), step_rows(d, 4, per))
-    print(f"fp32 accum {per} step 4: loss {m[3]['loss']:.7f} vs {loss:.7f}, "
-          f"grad_norm {m[3]['grad_norm']:.6f} vs {norm:.6f}")
-    assert m[3]["loss"] == pytest.approx(loss, rel=1e-5) and m[3]["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    print(
+        f"fp32 accum {per} step 4: loss {m[3]['loss']:.7f} vs {loss:.7f}, "
+        f"grad_norm {m[3]['grad_norm']:.6f} vs {norm:.6f}"
+    )
+    assert m[3]["loss"] == pytest.approx(loss, rel=1e-5) and m[3]["grad_norm"] == pytest.approx(
+        norm, rel=1e-4
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,8 +253,16 @@ def test_resume_dp2_sp2_bf16_is_bit_exact(env):
     ckpt = straight / "checkpoints" / "step_000002"
     assert os.path.isdir(ckpt)
     n, flags, _ = LAYOUTS["dp2xsp2"]
-    p = run_train(n, *_args(d, "model", steps=4, dtype="bfloat16"), *flags, *BF16_EXTRA,
-                  "--out", str(d / "bf16-resumed"), "--resume", str(ckpt))
+    p = run_train(
+        n,
+        *_args(d, "model", steps=4, dtype="bfloat16"),
+        *flags,
+        *BF16_EXTRA,
+        "--out",
+        str(d / "bf16-resumed"),
+        "--resume",
+        str(ckpt),
+    )
     assert "resumed from" in p.stdout
     a, b = final(straight), final(d / "bf16-resumed")
     assert a.keys() == b.keys()
@@ -229,17 +286,31 @@ def test_yarn_flags_match_transformers_yarn(env, sp):
     with the same YaRN scaling. Without YaRN the first loss would differ by 70x the tolerance."""
     d, runs = env
     factor, orig = YARN
-    out = runs.get(f"yarn-sp{sp}", sp, *_args(d, "model", steps=2), "--sp", str(sp),
-                   "--yarn-factor", str(factor), "--yarn-original", str(orig))
+    out = runs.get(
+        f"yarn-sp{sp}",
+        sp,
+        *_args(d, "model", steps=2),
+        "--sp",
+        str(sp),
+        "--yarn-factor",
+        str(factor),
+        "--yarn-original",
+        str(orig),
+    )
     m = metrics(out)
     assert m[-1]["lr"] == 0.0
     ycfg = CFG.with_yarn(factor, orig)
     ref0 = reference(ycfg, initial(d, "model"))
-    assert ref0.config.rope_parameters["rope_type"] == "yarn" and ref0.config.rope_parameters["factor"] == factor
+    assert (
+        ref0.config.rope_parameters["rope_type"] == "yarn"
+        and ref0.config.rope_parameters["factor"] == factor
+    )
     for step, ref in ((1, ref0), (2, reference(ycfg, final(out)))):
         loss, norm, _ = loss_and_norm(ref, step_rows(d, step, 1))
-        print(f"yarn sp{sp} step {step}: loss {m[step - 1]['loss']:.7f} vs {loss:.7f}, "
-              f"grad_norm {m[step - 1]['grad_norm']:.6f} vs {norm:.6f}")
+        print(
+            f"yarn sp{sp} step {step}: loss {m[step - 1]['loss']:.7f} vs {loss:.7f}, "
+            f"grad_norm {m[step - 1]['grad_norm']:.6f} vs {norm:.6f}"
+        )
         assert m[step - 1]["loss"] == pytest.approx(loss, rel=1e-5)
         assert m[step - 1]["grad_norm"] == pytest.approx(norm, rel=1e-4)
     plain, _, _ = loss_and_norm(reference(CFG, initial(d, "model")), step_rows(d, 1, 1))
@@ -263,7 +334,9 @@ def test_tied_embeddings_match_transformers(env, layout):
     assert "lm_head.weight" not in saved  # tied checkpoints omit it, as transformers does
     for step, ref in ((1, reference(TIED, initial(d, "tied"))), (2, reference(TIED, saved))):
         loss, norm, _ = loss_and_norm(ref, step_rows(d, step, per))
-        print(f"tied {layout} step {step}: loss {m[step - 1]['loss']:.7f} vs {loss:.7f}, "
-              f"grad_norm {m[step - 1]['grad_norm']:.6f} vs {norm:.6f}")
+        print(
+            f"tied {layout} step {step}: loss {m[step - 1]['loss']:.7f} vs {loss:.7f}, "
+            f"grad_norm {m[step - 1]['grad_norm']:.6f} vs {norm:.6f}"
+        )
         assert m[step - 1]["loss"] == pytest.approx(loss, rel=1e-5)
         assert m[step - 1]["grad_norm"] == pytest.approx(norm, rel=1e-4)

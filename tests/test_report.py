@@ -9,19 +9,37 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import run_distributed
+
 from run.quiet import quiet_known_warnings
 from run.report import Reporter, ReportError, check_available, parse_report_to, scalars, wandb_mode
 
+
 # What train.py writes to metrics.jsonl for one step on CPU (no peak memory, no MFU).
 def _record(step: int) -> dict:
-    return {"step": step, "loss": 4.5 / step, "grad_norm": 1.0 + 0.1 * step, "lr": 5e-3 * step, "tokens": 257 * step,
-            "step_time_s": 0.07 + 0.01 * step, "tokens_per_s": 3600.0 + step, "tokens_per_s_per_gpu": 1800.5,
-            "peak_mem_gb": None, "mfu": None}
+    return {
+        "step": step,
+        "loss": 4.5 / step,
+        "grad_norm": 1.0 + 0.1 * step,
+        "lr": 5e-3 * step,
+        "tokens": 257 * step,
+        "step_time_s": 0.07 + 0.01 * step,
+        "tokens_per_s": 3600.0 + step,
+        "tokens_per_s_per_gpu": 1800.5,
+        "peak_mem_gb": None,
+        "mfu": None,
+    }
 
 
-FIELDS = {"loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "tokens_per_s_per_gpu"}
+FIELDS = {
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "step_time_s",
+    "tokens_per_s",
+    "tokens_per_s_per_gpu",
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -29,9 +47,12 @@ FIELDS = {"loss", "grad_norm", "lr", "tokens", "step_time_s", "tokens_per_s", "t
 # ---------------------------------------------------------------------------------------------
 def _tb_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
     acc = EventAccumulator(str(logdir), size_guidance={SCALARS: 0})
     acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}, acc
+    return {
+        tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]
+    }, acc
 
 
 def test_tensorboard_event_file_holds_every_field_of_each_step(tmp_path):
@@ -54,7 +75,9 @@ def test_tensorboard_resume_hides_the_steps_it_rewrites(tmp_path):
     with Reporter(["tensorboard"], str(tmp_path)) as rep:  # first launch: steps 1-4, then a crash
         for s in (1, 2, 3, 4):
             rep.log({"step": s, "loss": 10.0 + s}, s)
-    with Reporter(["tensorboard"], str(tmp_path), first_step=3) as rep:  # resumed from the step-2 checkpoint
+    with Reporter(
+        ["tensorboard"], str(tmp_path), first_step=3
+    ) as rep:  # resumed from the step-2 checkpoint
         for s in (3, 4, 5):
             rep.log({"step": s, "loss": 20.0 + s}, s)
     got, _ = _tb_scalars(tmp_path / "tensorboard")
@@ -68,15 +91,16 @@ def _wandb_records(path: str) -> list:
     """Records of a .wandb file: a 7-byte header, then LevelDB-log chunks (crc32c, length, type)
     in 32 KiB blocks; each complete payload is one wandb_internal_pb2.Record."""
     from wandb.proto import wandb_internal_pb2 as pb
+
     data, block, pos, buf, out = open(path, "rb").read(), 32768, 7, b"", []
     assert data[:4] == b":W&B"
     while pos + 7 <= len(data):
         left = block - pos % block
-        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if left < 7 or (n == 0 and kind == 0):  # block trailer / padding
             pos += left
             continue
-        buf, pos = buf + data[pos + 7:pos + 7 + n], pos + 7 + n
+        buf, pos = buf + data[pos + 7 : pos + 7 + n], pos + 7 + n
         if kind in (1, 4):  # FULL or LAST
             rec = pb.Record()
             rec.ParseFromString(buf)
@@ -92,9 +116,19 @@ def _items(items) -> dict:
 
 def test_wandb_offline_run_without_an_account_records_each_step(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
-    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL", "WANDB_PROJECT"):
+    for var in (
+        "WANDB_MODE",
+        "WANDB_API_KEY",
+        "WANDB_IDENTITY_TOKEN_FILE",
+        "WANDB_BASE_URL",
+        "WANDB_PROJECT",
+    ):
         monkeypatch.delenv(var, raising=False)
-    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing written outside tmp_path
+    for var in (
+        "WANDB_CONFIG_DIR",
+        "WANDB_CACHE_DIR",
+        "WANDB_DATA_DIR",
+    ):  # nothing written outside tmp_path
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -108,8 +142,14 @@ def test_wandb_offline_run_without_an_account_records_each_step(tmp_path, monkey
         wandb.teardown()  # stop W&B's service process; later tests should not share it
     (run_file,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     records = _wandb_records(run_file)
-    history = [(r.history.step.num, {k: v for k, v in _items(r.history.item).items() if not k.startswith("_")})
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        (
+            r.history.step.num,
+            {k: v for k, v in _items(r.history.item).items() if not k.startswith("_")},
+        )
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     assert history == [(s, scalars(_record(s))) for s in (1, 2, 3)]
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert (run.project, run.display_name) == ("qwen3-1m", "demo")
@@ -121,7 +161,9 @@ def test_wandb_mode_follows_the_environment_then_credentials(tmp_path, monkeypat
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     assert wandb_mode() == "offline"  # no file at all
-    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "x" * 40 + "\n")
+    (tmp_path / "netrc").write_text(
+        "machine api.wandb.ai\n  login user\n  password " + "x" * 40 + "\n"
+    )
     assert wandb_mode() == "online"  # what `wandb login` writes
     monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")
     assert wandb_mode() == "offline"  # a key for another host does not count
@@ -164,6 +206,7 @@ MSG = "DTensor random operators may not have complete support on cpu device mesh
 def _dtensor_random_op_warnings(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
+
     t = distribute_tensor(torch.zeros(4, 3), init_device_mesh("cpu", (world,)), [Shard(0)])
     seen = []
     for quiet in (False, True):
@@ -182,18 +225,26 @@ def test_quiet_hides_the_real_dtensor_cpu_warning():
     assert quiet == [m for m in loud if m != MSG]
 
 
-@pytest.mark.parametrize("message,category,module", [
-    (MSG, UserWarning, "train"),  # the same words from another module
-    (MSG.replace("cpu", "cuda"), UserWarning, "torch.distributed.tensor._dispatch"),
-    ("DTensor manual_seed() may not have complete support on cpu device mesh", UserWarning,
-     "torch.distributed.tensor._random"),
-    (MSG, FutureWarning, "torch.distributed.tensor._dispatch"),
-    ("something else", UserWarning, "torch.distributed.tensor._dispatch"),
-])
+@pytest.mark.parametrize(
+    "message,category,module",
+    [
+        (MSG, UserWarning, "train"),  # the same words from another module
+        (MSG.replace("cpu", "cuda"), UserWarning, "torch.distributed.tensor._dispatch"),
+        (
+            "DTensor manual_seed() may not have complete support on cpu device mesh",
+            UserWarning,
+            "torch.distributed.tensor._random",
+        ),
+        (MSG, FutureWarning, "torch.distributed.tensor._dispatch"),
+        ("something else", UserWarning, "torch.distributed.tensor._dispatch"),
+    ],
+)
 def test_quiet_lets_every_other_warning_through(message, category, module):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         quiet_known_warnings()
-        warnings.warn_explicit(MSG, UserWarning, "x.py", 1, module="torch.distributed.tensor._dispatch")
+        warnings.warn_explicit(
+            MSG, UserWarning, "x.py", 1, module="torch.distributed.tensor._dispatch"
+        )
         warnings.warn_explicit(message, category, "x.py", 1, module=module)
     assert [(str(w.message), w.category) for w in caught] == [(message, category)]

@@ -16,32 +16,67 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers.optimization as hf_opt
-
-from hf_ref import hf_model, save_hf
 from dist_utils import run_train
+from hf_ref import hf_model, save_hf
 from test_train import CFG, metrics  # the tiny Qwen3 every train.py test uses
 
 SEQ, LR, WD = 16, 1e-2, 0.5
 # name: (decay, steps, warmup, min_lr_ratio)
-RUNS = {"cosine": ("cosine", 10, 3, 0.1), "linear": ("linear", 8, 2, 0.25), "constant": ("constant", 6, 2, 0.1)}
+RUNS = {
+    "cosine": ("cosine", 10, 3, 0.1),
+    "linear": ("linear", 8, 2, 0.25),
+    "constant": ("constant", 6, 2, 0.1),
+}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("schedule")
     save_hf(hf_model(CFG, seed=5), str(d / "model"))
-    np.save(d / "tokens.npy", np.random.default_rng(2).integers(0, CFG.vocab_size, (10, SEQ + 1), dtype=np.int64))
+    np.save(
+        d / "tokens.npy",
+        np.random.default_rng(2).integers(0, CFG.vocab_size, (10, SEQ + 1), dtype=np.int64),
+    )
     done = {}
 
     def get(name):
         if name not in done:
             decay, steps, warmup, floor = RUNS[name]
-            run_train(1, "--model", str(d / "model"), "--data", f"tokens:{d / 'tokens.npy'}", "--seq-len", str(SEQ),
-                      "--steps", str(steps), "--decay", decay, "--warmup-steps", str(warmup),
-                      "--min-lr-ratio", str(floor), "--lr", str(LR), "--weight-decay", str(WD), "--grad-clip", "1.0",
-                      "--adam-eps", "1e-4",  # far above the ~1e-9 rounding noise of a gradient (see replay)
-                      "--dtype", "float32", "--sp", "1", "--loss-chunk", "8", "--save-dtype", "float32",
-                      "--out", str(d / name))
+            run_train(
+                1,
+                "--model",
+                str(d / "model"),
+                "--data",
+                f"tokens:{d / 'tokens.npy'}",
+                "--seq-len",
+                str(SEQ),
+                "--steps",
+                str(steps),
+                "--decay",
+                decay,
+                "--warmup-steps",
+                str(warmup),
+                "--min-lr-ratio",
+                str(floor),
+                "--lr",
+                str(LR),
+                "--weight-decay",
+                str(WD),
+                "--grad-clip",
+                "1.0",
+                "--adam-eps",
+                "1e-4",  # far above the ~1e-9 rounding noise of a gradient (see replay)
+                "--dtype",
+                "float32",
+                "--sp",
+                "1",
+                "--loss-chunk",
+                "8",
+                "--save-dtype",
+                "float32",
+                "--out",
+                str(d / name),
+            )
             done[name] = d / name
         return done[name]
 
@@ -54,12 +89,19 @@ def hf_lambdas(name):
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=LR)
     total = steps - 1  # see the module docstring
     make = {
-        "cosine": [lambda: hf_opt.get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, total, min_lr_rate=floor),
-                   # min_lr 0 curve, mapped affinely onto the floor (decay part only)
-                   lambda: hf_opt.get_cosine_schedule_with_warmup(opt, warmup, total)],
-        "linear": [lambda: hf_opt.get_polynomial_decay_schedule_with_warmup(opt, warmup, total, lr_end=LR * floor,
-                                                                             power=1.0),
-                   lambda: hf_opt.get_linear_schedule_with_warmup(opt, warmup, total)],
+        "cosine": [
+            lambda: hf_opt.get_cosine_with_min_lr_schedule_with_warmup(
+                opt, warmup, total, min_lr_rate=floor
+            ),
+            # min_lr 0 curve, mapped affinely onto the floor (decay part only)
+            lambda: hf_opt.get_cosine_schedule_with_warmup(opt, warmup, total),
+        ],
+        "linear": [
+            lambda: hf_opt.get_polynomial_decay_schedule_with_warmup(
+                opt, warmup, total, lr_end=LR * floor, power=1.0
+            ),
+            lambda: hf_opt.get_linear_schedule_with_warmup(opt, warmup, total),
+        ],
         "constant": [lambda: hf_opt.get_constant_schedule_with_warmup(opt, warmup)],
     }[decay]
     return [m().lr_lambdas[0] for m in make]
@@ -91,7 +133,7 @@ def test_lr_per_step_matches_transformers_schedules(runs, name):
     # the shape by closed form too: warmup ends at lr, decays end at the floor on the last step
     assert got[warmup - 1] == pytest.approx(LR) and got[0] == pytest.approx(LR / warmup)
     assert got[-1] == pytest.approx(LR if decay == "constant" else LR * floor)
-    assert all(a >= b for a, b in zip(got[warmup:], got[warmup + 1:]))  # never rises after warmup
+    assert all(a >= b for a, b in zip(got[warmup:], got[warmup + 1 :]))  # never rises after warmup
 
 
 def _decayed(name: str) -> bool:
@@ -107,8 +149,10 @@ def replay(d, name, decayed=_decayed):
     decay, steps, warmup, floor = RUNS[name]
     model = transformers_from(d / "model")
     named = dict(model.named_parameters())
-    groups = [{"params": [p for n, p in named.items() if decayed(n)], "weight_decay": WD},
-              {"params": [p for n, p in named.items() if not decayed(n)], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for n, p in named.items() if decayed(n)], "weight_decay": WD},
+        {"params": [p for n, p in named.items() if not decayed(n)], "weight_decay": 0.0},
+    ]
     opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-4)
     rows = torch.as_tensor(np.load(d / "tokens.npy"))
     norms = []
@@ -116,8 +160,8 @@ def replay(d, name, decayed=_decayed):
         for g in opt.param_groups:
             g["lr"] = expected_lr(name, s)[0]
         opt.zero_grad()
-        logits = model(rows[s:s + 1, :-1]).logits
-        F.cross_entropy(logits.flatten(0, 1), rows[s:s + 1, 1:].flatten()).backward()
+        logits = model(rows[s : s + 1, :-1]).logits
+        F.cross_entropy(logits.flatten(0, 1), rows[s : s + 1, 1:].flatten()).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
         opt.step()
     return {n: p.detach() for n, p in named.items()}, norms
@@ -125,6 +169,7 @@ def replay(d, name, decayed=_decayed):
 
 def transformers_from(path):
     import transformers
+
     return transformers.Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
 
 
@@ -139,6 +184,7 @@ def test_adamw_with_weight_decay_on_matrices_matches_a_hand_replay(runs):
     near-zero gradients into full +-lr steps with eps 1e-8."""
     d, get = runs
     from safetensors.torch import load_file
+
     ours = load_file(str(get("cosine") / "final" / "model.safetensors"))
     want, norms = replay(d, "cosine")
     logged = [r["grad_norm"] for r in metrics(get("cosine"))]
@@ -151,8 +197,10 @@ def test_adamw_with_weight_decay_on_matrices_matches_a_hand_replay(runs):
     all_decayed, _ = replay(d, "cosine", decayed=lambda n: True)
     none_decayed, _ = replay(d, "cosine", decayed=lambda n: False)
     e_all, e_none = worst(all_decayed, lambda n: not _decayed(n)), worst(none_decayed, _decayed)
-    print(f"max |ours - hand AdamW|: {err:.2e}; decaying norms too: {e_all:.2e} (norms); "
-          f"decaying nothing: {e_none:.2e} (matrices)")
+    print(
+        f"max |ours - hand AdamW|: {err:.2e}; decaying norms too: {e_all:.2e} (norms); "
+        f"decaying nothing: {e_none:.2e} (matrices)"
+    )
     tol = len(norms) * 1e-3 * LR
     assert err <= tol
     assert e_all > 10 * tol and e_none > 10 * tol  # both wrong groupings would fail

@@ -15,14 +15,23 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from dist_utils import run_train
 from hf_ref import hf_model, ref_loss_and_norm, save_hf
+
 from model.config import Qwen3Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CFG = Qwen3Config(vocab_size=211, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, bos_token_id=None, eos_token_id=None)
+CFG = Qwen3Config(
+    vocab_size=211,
+    hidden_size=48,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 def metrics(out_dir) -> list[dict]:
@@ -36,7 +45,9 @@ def setup(tmp_path_factory):
     ref = hf_model(CFG, seed=3)
     save_hf(ref, str(d / "model"))
     rng = np.random.default_rng(0)
-    np.save(d / "tokens.npy", rng.integers(0, CFG.vocab_size, size=(8, 65), dtype=np.int64))  # rows of 64 + 1
+    np.save(
+        d / "tokens.npy", rng.integers(0, CFG.vocab_size, size=(8, 65), dtype=np.int64)
+    )  # rows of 64 + 1
     return d, ref
 
 
@@ -46,12 +57,37 @@ def _ref_loss_and_norm(ref, rows: np.ndarray):
 
 
 def _common(d, out, seq_len=64):
-    return ["--model", str(d / "model"), "--data", f"tokens:{d / 'tokens.npy'}", "--seq-len", str(seq_len),
-            "--steps", "1", "--lr", "1e-2", "--warmup-steps", "0", "--grad-clip", "1.0", "--dtype", "float32",
-            # Adam's first step is lr * g / (|g| + eps): with eps 1e-8, gradients that are rounding
-            # noise (~1e-9) move by a full +-lr either way; 1e-6 keeps the comparison about us.
-            "--adam-eps", "1e-6",
-            "--save-dtype", "float32", "--out", str(out), "--no-offload", "--tile-mlp", "0", "--loss-chunk", "16"]
+    return [
+        "--model",
+        str(d / "model"),
+        "--data",
+        f"tokens:{d / 'tokens.npy'}",
+        "--seq-len",
+        str(seq_len),
+        "--steps",
+        "1",
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "0",
+        "--grad-clip",
+        "1.0",
+        "--dtype",
+        "float32",
+        # Adam's first step is lr * g / (|g| + eps): with eps 1e-8, gradients that are rounding
+        # noise (~1e-9) move by a full +-lr either way; 1e-6 keeps the comparison about us.
+        "--adam-eps",
+        "1e-6",
+        "--save-dtype",
+        "float32",
+        "--out",
+        str(out),
+        "--no-offload",
+        "--tile-mlp",
+        "0",
+        "--loss-chunk",
+        "16",
+    ]
 
 
 @pytest.mark.slow
@@ -71,15 +107,20 @@ def test_layouts_match_transformers_and_each_other(setup):
         run_train(n, *_common(d, out), *extra)
         m = metrics(out)[0]
         loss, norm = _ref_loss_and_norm(ref, rows[:nrows])
-        print(f"{name}: loss {m['loss']:.6f} (transformers {loss:.6f}), grad_norm {m['grad_norm']:.6f} ({norm:.6f})")
+        print(
+            f"{name}: loss {m['loss']:.6f} (transformers {loss:.6f}), grad_norm {m['grad_norm']:.6f} ({norm:.6f})"
+        )
         assert m["loss"] == pytest.approx(loss, rel=1e-5)
         assert m["grad_norm"] == pytest.approx(norm, rel=1e-4)
         from safetensors.torch import load_file
+
         params[name] = load_file(str(out / "final" / "model.safetensors"))
     for one, many in (("1proc", "sp2"), ("1proc", "sp4-kv-repeat"), ("1proc-accum2", "dp2xsp2")):
         worst = max((params[many][k] - v).abs().max().item() for k, v in params[one].items())
         print(f"{many} vs {one}: max |parameter difference| after the step {worst:.2e}")
-        assert worst <= 1e-3 * 1e-2  # a thousandth of the step size (lr 1e-2); the update itself is ~lr
+        assert (
+            worst <= 1e-3 * 1e-2
+        )  # a thousandth of the step size (lr 1e-2); the update itself is ~lr
 
 
 @pytest.mark.slow
@@ -90,29 +131,75 @@ def test_padded_sequence_counts_every_label_once(setup):
     out = d / "padded"
     run_train(4, *_common(d, out, seq_len=62), "--sp", "4")
     m = metrics(out)[0]
-    loss, norm = _ref_loss_and_norm(ref, rows.reshape(-1)[: 63][None])  # the first row of 62 + 1 tokens
+    loss, norm = _ref_loss_and_norm(
+        ref, rows.reshape(-1)[:63][None]
+    )  # the first row of 62 + 1 tokens
     assert m["tokens"] == 62
-    assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    assert m["loss"] == pytest.approx(loss, rel=1e-5) and m["grad_norm"] == pytest.approx(
+        norm, rel=1e-4
+    )
 
 
 @pytest.mark.slow
 def test_resume_is_exact_and_saved_model_loads_in_transformers(setup):
     d, _ = setup
-    args = ["--model", str(d / "model"), "--data", f"tokens:{d / 'tokens.npy'}", "--seq-len", "64",
-            "--lr", "1e-2", "--warmup-steps", "1", "--dtype", "float32", "--sp", "2", "--loss-chunk", "16"]
+    args = [
+        "--model",
+        str(d / "model"),
+        "--data",
+        f"tokens:{d / 'tokens.npy'}",
+        "--seq-len",
+        "64",
+        "--lr",
+        "1e-2",
+        "--warmup-steps",
+        "1",
+        "--dtype",
+        "float32",
+        "--sp",
+        "2",
+        "--loss-chunk",
+        "16",
+    ]
     run_train(2, *args, "--steps", "4", "--out", str(d / "straight"), "--save-dtype", "float32")
-    run_train(2, *args, "--steps", "4", "--out", str(d / "resumed"), "--save-every", "2", "--stop-after", "2")
+    run_train(
+        2,
+        *args,
+        "--steps",
+        "4",
+        "--out",
+        str(d / "resumed"),
+        "--save-every",
+        "2",
+        "--stop-after",
+        "2",
+    )
     assert os.path.isdir(d / "resumed" / "checkpoints" / "step_000002")
-    run_train(2, *args, "--steps", "4", "--out", str(d / "resumed"), "--resume", "auto", "--save-dtype", "float32")
+    run_train(
+        2,
+        *args,
+        "--steps",
+        "4",
+        "--out",
+        str(d / "resumed"),
+        "--resume",
+        "auto",
+        "--save-dtype",
+        "float32",
+    )
     straight = [m["loss"] for m in metrics(d / "straight")]
     resumed = [m["loss"] for m in metrics(d / "resumed")]
     print("straight", straight, "\nresumed ", resumed)
     assert len(straight) == 4 and resumed == straight
 
     import transformers
-    back = transformers.Qwen3ForCausalLM.from_pretrained(str(d / "straight" / "final"), torch_dtype=torch.float32)
+
+    back = transformers.Qwen3ForCausalLM.from_pretrained(
+        str(d / "straight" / "final"), torch_dtype=torch.float32
+    )
     from model.qwen3 import Qwen3
     from model.weights import load_safetensors
+
     ours = Qwen3(Qwen3Config.from_hf(str(d / "straight" / "final")))
     load_safetensors(ours, str(d / "straight" / "final"), progress=False)
     ids = torch.as_tensor(np.load(d / "tokens.npy")[:1, :64])
@@ -147,14 +234,39 @@ def test_demo_learns_across_shards(tmp_path):
     """The demo as `bash torchrun.sh` runs it on a CPU machine (2 processes, sp=2): the loss on the
     repeated half, whose every answer lives on the other rank, must fall below a third."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "QWEN3_1M_CACHE": str(tmp_path / "cache")}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "train.py", "--preset", "demo", "--out", str(tmp_path / "demo"), "--save-every", "0"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "train.py",
+            "--preset",
+            "demo",
+            "--out",
+            str(tmp_path / "demo"),
+            "--save-every",
+            "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     m = metrics(tmp_path / "demo")
-    first, last = m[0]["loss"], m[-1]["loss"]  # --loss-on predictable: the loss is the repeated half's
+    first, last = (
+        m[0]["loss"],
+        m[-1]["loss"],
+    )  # --loss-on predictable: the loss is the repeated half's
     print(f"demo predictable loss {first:.3f} -> {last:.4f} in {len(m)} steps")
     assert len(m) == 400 and last < first / 3, p.stdout[-2000:]
-    assert f"loss on the predictable labels: {first:.4f} at step 1 -> {last:.4f} at step 400" in p.stdout
+    assert (
+        f"loss on the predictable labels: {first:.4f} at step 1 -> {last:.4f} at step 400"
+        in p.stdout
+    )
     # a from-scratch init on a 2-rank CPU mesh is where DTensor's RNG warning fired (run/quiet.py)
     assert "DTensor random operators" not in p.stderr

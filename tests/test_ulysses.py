@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_distributed
+
 from model.qwen3 import sdpa_attention
 from model.ulysses import UlyssesAttention, check_heads
 
@@ -33,7 +33,10 @@ def test_ulysses_equals_full_attention(world):
     for case, (nh, nkv) in enumerate(CASES[world]):
         results = [r[case] for r in per_rank]
         g = torch.Generator().manual_seed(nh * 100 + nkv)
-        full = [torch.randn(B, T, h, hd, generator=g, dtype=torch.float64).requires_grad_() for h in (nh, nkv, nkv)]
+        full = [
+            torch.randn(B, T, h, hd, generator=g, dtype=torch.float64).requires_grad_()
+            for h in (nh, nkv, nkv)
+        ]
         grad_out = torch.randn(B, T, nh, hd, generator=g, dtype=torch.float64)
         out = sdpa_attention(*full)
         out.backward(grad_out)
