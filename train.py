@@ -1,15 +1,18 @@
 """Fine-tune Qwen3 on single million-token rows: one script, top to bottom.
 
-    bash torchrun.sh                                           # 8 GPUs: the qwen3-8b-1m recipe; no GPU: the CPU demo
+    bash torchrun.sh                                # 8 GPUs: the qwen3-8b-1m recipe; else the demo
     torchrun --nproc-per-node 8 train.py --preset qwen3-8b-1m --model /models/Qwen3-8B
-    python train.py --preset demo --steps 20                   # one CPU process
-    python train.py --preset qwen3-8b-1m --dry-run             # resolved config and memory plan, nothing loaded
-    python train.py --preset demo --check-only                 # every check (flags, model, data, --out), then exit
+    python train.py --preset demo --steps 20        # one CPU process
+    python train.py --preset qwen3-8b-1m --dry-run  # the config and memory plan, nothing loaded
+    python train.py --preset demo --check-only      # every check (flags, model, data, --out); exit
 
-Sections: config | distributed init | optimizer | main: checks | model | data | resume | steps | save.
-Every check runs before the process group and any weight is read (run/checks.py); the run holds a
-lock on --out (run/rundir.py); checkpoints are checked, rotated and resumed by run/checkpoint.py.
-Each sp group shares one row (Ulysses: T/sp tokens per GPU); dp groups take different rows.
+Reading order: the config and its presets; the process group; the optimizer and its schedule;
+train_step (forward, chunked loss, backward, grad norm, step or skip), the one function that
+trains; then main() and train(), which build the run (data, sharded model, offload pool, resume)
+and loop over steps; the loop's bookkeeping (records, console lines, signals, the non-finite guard,
+checkpoints) is in run/. Every check runs before the process group and any weight is read
+(run/checks.py). Each sp group shares one row (Ulysses: T/sp tokens per GPU); dp groups take
+different rows.
 """
 
 from __future__ import annotations
@@ -19,52 +22,48 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-# Stop signals (what schedulers send before they preempt) are only noted: the step loop finishes the
-# step, saves and leaves. Installed before torch's slow import, so one that comes early is kept too.
-STOP: list[str] = []
-if __name__ == "__main__":
-    for _sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(_sig, lambda num, frame: STOP.append(signal.Signals(num).name))
+from run.signals import StopSignals
 
-import torch  # noqa: E402 (after the signal handlers on purpose)
+# Stop signals are only noted; the loop finishes the step, saves and leaves. Installed before
+# torch's slow import, so one that comes early is kept too.
+STOP = StopSignals()
+if __name__ == "__main__":
+    STOP.install()
+
+import torch  # after the signal handlers, on purpose
 import torch.distributed as dist
-from tqdm import tqdm
 
 from data import RowLoader, build_rows
 from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
 from memory.plan import format_plan, plan_for_run, step_flops
+from memory.snapshot import cuda_memory_history
 from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_backend
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
 from model.offload import apply_offload
 from model.parallel import build_mesh, build_sharded_model
 from model.ulysses import UlyssesAttention
-from run.checkpoint import (
-    DiskSpaceError,
-    find_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-    trim_metrics,
-)
+from run.checkpoint import DiskSpaceError, find_checkpoint, load_checkpoint, save_checkpoint
 from run.checks import CHOICES, check_flags, check_layout, check_run, open_run_dir, resolve_model
+from run.guard import NonFiniteGuard, RunStopped
 from run.quiet import quiet_known_warnings
-from run.report import Reporter, ReportError, check_available, parse_report_to
+from run.report import ReportError, check_available, parse_report_to
+from run.steplog import StepLog
 
-IGNORE = -100
+IGNORE = -100  # the label the loss skips (padding, and --loss-on predictable's other labels)
 
 
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
 def arg(default, help: str, choices: tuple | None = None):
-    """A TrainConfig field with its one line of `train.py -h` (and its choices, when it has some)."""
+    """A TrainConfig field with its line of `train.py -h` (and its choices, when it has some)."""
     return field(default=default, metadata={"help": help, "choices": choices})
 
 
@@ -186,8 +185,9 @@ PRESETS = {  # name: (its line in -h, its fields)
             eos_token="<|endoftext|>",
         ),
     ),  # the base model's document separator, not chat's <|im_end|>
-    # sp=2: every predictable label's answer is on the other rank. The plateau at ln 64 ends at step ~150
-    # for seed 1 (2 processes); some seeds take 400+ steps, a decaying rate can keep it: constant 5e-3.
+    # sp=2: every predictable label's answer is on the other rank. The plateau at ln 64 ends at
+    # step ~150 for seed 1 (2 processes); some seeds take 400+ steps, and a decaying rate can keep
+    # it there: constant 5e-3.
     "demo": (
         "CPU: a 2-layer Qwen3 from scratch learns to copy across sp shards (400 steps)",
         dict(
@@ -211,17 +211,6 @@ PRESETS = {  # name: (its line in -h, its fields)
         ),
     ),
 }
-EXTRA_MODELS = {
-    "demo": dataclasses.replace(
-        MODEL_PRESETS["tiny"],
-        vocab_size=64,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-}  # CPUs
 
 
 class _Parser(argparse.ArgumentParser):
@@ -229,12 +218,46 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}; see python train.py -h\n")
 
 
+def add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
+    """--some-field for TrainConfig.some_field, its help line ending in its default and choices."""
+    help_text, choices = f.metadata.get("help", ""), f.metadata.get("choices")
+    default = "unset" if f.default is None else repr(f.default)
+    more = f"default: {default}"
+    if choices:
+        more += f"; one of {', '.join(choices)}"
+    flag = "--" + f.name.replace("_", "-")
+    if f.type.startswith("bool"):
+        kind = dict(action=argparse.BooleanOptionalAction)
+    else:
+        value_type = {"int": int, "float": float}.get(f.type, str)
+        kind = dict(type=value_type, metavar=f.name.upper(), choices=choices)
+    parser.add_argument(flag, default=None, help=f"{help_text} ({more})", **kind)
+
+
+def read_config_file(path: str) -> dict:
+    """The fields of a run's OUT/config.json, refused with one line if it is not one."""
+    try:
+        with open(path) as fh:
+            fields = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"--config {path}: cannot read it ({e}); pass a run's OUT/config.json"
+        ) from None
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    if unknown := sorted(set(fields) - known):
+        raise ConfigError(
+            f"--config {path}: unknown fields {', '.join(unknown)}; pass a run's OUT/config.json"
+        )
+    return fields
+
+
 def parse_args(argv=None) -> TrainConfig:
-    """Fields from the dataclass defaults, then --preset or --config (a run's OUT/config.json), then flags."""
+    """Fields from the dataclass defaults, then --preset or --config, then the flags given."""
+    preset_lines = "\n".join(f"  {name:<12} {line}" for name, (line, _) in PRESETS.items())
     p = _Parser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="presets:\n" + "\n".join(f"  {k:<12} {v[0]}" for k, v in PRESETS.items()),
+        epilog="presets:\n" + preset_lines,
     )
     p.add_argument(
         "--preset", choices=sorted(PRESETS), default=None, help="start from a preset (listed below)"
@@ -245,73 +268,46 @@ def parse_args(argv=None) -> TrainConfig:
         help="start from a run's OUT/config.json: the same run (flags still override)",
     )
     for f in dataclasses.fields(TrainConfig):
-        flag, meta = "--" + f.name.replace("_", "-"), f.metadata
-        more = f"default: {'unset' if f.default is None else repr(f.default)}" + (
-            f"; one of {', '.join(meta['choices'])}" if meta.get("choices") else ""
-        )
-        kind = (
-            dict(action=argparse.BooleanOptionalAction)
-            if f.type.startswith("bool")
-            else dict(
-                type={"int": int, "float": float}.get(f.type, str),
-                metavar=f.name.upper(),
-                choices=meta.get("choices"),
-            )
-        )
-        p.add_argument(
-            flag,
-            default=None,
-            help=f"{meta.get('help', '')} ({more})" if meta.get("help") else None,
-            **kind,
-        )
-    a = vars(p.parse_args(argv))
-    base = PRESETS.get(a.pop("preset") or "", ("", {}))[1]
-    if path := a.pop("config"):
-        try:
-            with open(path) as fh:
-                base = json.load(fh)
-        except (OSError, ValueError) as e:
-            raise ConfigError(
-                f"--config {path}: cannot read it ({e}); pass a run's OUT/config.json"
-            )
-        if unknown := sorted(set(base) - {f.name for f in dataclasses.fields(TrainConfig)}):
-            raise ConfigError(
-                f"--config {path}: unknown fields {', '.join(unknown)}; pass a run's OUT/config.json"
-            )
-    return TrainConfig(**{**base, **{k: v for k, v in a.items() if v is not None}})
+        add_field_flag(p, f)
+    given = vars(p.parse_args(argv))
+    preset, config_path = given.pop("preset"), given.pop("config")
+    base = PRESETS[preset][1] if preset else {}
+    if config_path:
+        base = read_config_file(config_path)
+    flags = {k: v for k, v in given.items() if v is not None}
+    return TrainConfig(**{**base, **flags})
 
 
 # ---------------------------------------------------------------------------------------------
-# Distributed init: torchrun's environment, or one plain process
+# The process group: torchrun's environment, or one plain process
 # ---------------------------------------------------------------------------------------------
 def init_distributed(cpu_offload: bool = False) -> tuple[int, int, int, torch.device]:
-    # A plain `python train.py` is a group of one on an in-memory store: no port to pick (and race for).
-    single = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
-    if single:
+    """(rank, world, local world, device), the process group initialised."""
+    group_of_one = {}
+    if "RANK" not in os.environ:
+        # A plain `python train.py` is a group of one on an in-memory store: no port to pick
+        # (and to race other processes for).
+        group_of_one = dict(store=dist.HashStore(), rank=0, world_size=1)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    rank, world, local = (
-        int(os.environ["RANK"]),
-        int(os.environ["WORLD_SIZE"]),
-        int(os.environ["LOCAL_RANK"]),
-    )
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # An hour, not NCCL's 10 minutes: local rank 0 may be downloading 16 GB while the others wait.
+    timeout = timedelta(minutes=60)
     if torch.cuda.is_available():
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-        # An hour, not NCCL's 10 minutes: local rank 0 may be downloading 16 GB while the others wait.
-        # --cpu-offload: the grad norm all-reduces host DTensors, so gloo serves CPU tensors (untested on GPU).
-        dist.init_process_group(
-            "cuda:nccl,cpu:gloo" if cpu_offload else "nccl",
-            device_id=device,
-            timeout=timedelta(minutes=60),
-            **single,
-        )
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        # --cpu-offload: the grad norm all-reduces host DTensors, so gloo serves CPU tensors.
+        backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+        dist.init_process_group(backend, device_id=device, timeout=timeout, **group_of_one)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timedelta(minutes=60), **single)
-    return rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), device
+        dist.init_process_group("gloo", timeout=timeout, **group_of_one)
+    return rank, world, local_world, device
 
 
-def log0(*args):
+def log0(*args) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(*args, flush=True)
 
@@ -320,10 +316,11 @@ def log0(*args):
 # Optimizer and schedule
 # ---------------------------------------------------------------------------------------------
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup to cfg.lr, then cosine or linear decay to cfg.lr x min_lr_ratio at the last step."""
+    """Linear warmup to cfg.lr, then cosine or linear decay to lr x min_lr_ratio at the end."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps - 1))
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps - 1)
+    frac = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     low = cfg.lr * cfg.min_lr_ratio
     if cfg.decay == "cosine":
         return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * frac))
@@ -335,65 +332,112 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 def make_optimizer(
     cfg: TrainConfig, model: torch.nn.Module, device: torch.device
 ) -> torch.optim.Optimizer:
-    decay = [
-        p for p in model.parameters() if p.ndim >= 2
-    ]  # matrices and embeddings; norms are not decayed
+    # Matrices and embeddings are decayed; norms' weights are not.
+    decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    fused = (
-        {"fused": True} if device.type == "cuda" and not cfg.cpu_offload else {"foreach": True}
-    )  # CPU shards
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **fused
-    )
+    # The fused kernel is CUDA's; with --cpu-offload the shards are on the CPU.
+    if device.type == "cuda" and not cfg.cpu_offload:
+        implementation = {"fused": True}
+    else:
+        implementation = {"foreach": True}
+    betas = (cfg.beta1, cfg.beta2)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, **implementation)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
 
 
 def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """The global gradient norm (before clipping; clip to max_norm if > 0). Gradients are DTensors: the
-    norm's full_tensor() is the global one (its local part would be too low by ~sqrt(shards))."""
+    """The global gradient norm before clipping (clipped to max_norm if > 0). Gradients are
+    DTensors: the norm's full_tensor() is the global one (its local part is ~sqrt(shards) low)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(
-        params, max_norm if max_norm > 0 else float("inf"), foreach=True
-    )
+    clip_to = max_norm if max_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, clip_to, foreach=True)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
 
 
 # ---------------------------------------------------------------------------------------------
+# The training step
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class StepResult:
+    loss: float  # mean over the step's counted labels on every rank
+    grad_norm: float  # global, before clipping
+    tokens: int  # labels counted on every rank
+    skipped: bool  # loss or norm not finite: weights and AdamW state were left as they were
+
+
+def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]:
+    """This rank's slice of the next row; --loss-on predictable keeps only the labels a
+    synthetic source marks as predictable."""
+    batch = next(loader)
+    predictable = batch.pop("predictable", None)
+    if predictable is not None and loss_on == "predictable":
+        batch["labels"] = torch.where(predictable, batch["labels"], IGNORE)
+    return batch
+
+
+def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) -> StepResult:
+    """One optimizer step over `micro_batches` (this rank's slices of grad_accum rows)."""
+    # The loss is the sum over the step's counted labels divided by their count over all ranks
+    # and micro-batches: FSDP2 sums gradients over ranks (model/parallel.py), so each rank's
+    # backward must already carry the global denominator.
+    counts = [(b["labels"] != IGNORE).sum() for b in micro_batches]
+    count = torch.stack(counts).sum().to(torch.float64)
+    dist.all_reduce(count)
+    count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
+    loss_sum = torch.zeros((), dtype=torch.float64, device=count.device)
+    for batch in micro_batches:
+        hidden = model(batch["input_ids"], batch["position_ids"])  # [1, T/sp, hidden]
+        micro_loss = chunked_cross_entropy(
+            hidden.flatten(0, 1),  # [T/sp, hidden]
+            model.lm_head.weight,
+            batch["labels"].flatten(),  # [T/sp]
+            chunk_size=cfg.loss_chunk,
+            reduction="sum",
+        )
+        # The loss made its gradient for `hidden` in forward; holding `hidden` through backward
+        # would keep 1 GiB per GPU at 1M tokens alive for nothing.
+        del hidden
+        (micro_loss / count.to(micro_loss.dtype)).backward()
+        loss_sum += micro_loss.detach().double()
+    dist.all_reduce(loss_sum)
+    tokens = int(count.item())
+    loss = loss_sum.item() / tokens
+    grad_norm = global_grad_norm(model, cfg.grad_clip)
+    # Loss and norm are the same on every rank, so every rank skips (or steps) together.
+    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=skipped)
+
+
+# ---------------------------------------------------------------------------------------------
 # Main: checks, then the process group, then the run
 # ---------------------------------------------------------------------------------------------
-PEAK_TFLOPS = {
-    "H100": 989.0,
-    "H200": 989.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "B200": 2250.0,
-}
-# Test hook: 1-based steps whose loss is made NaN (no tiny float32 model diverges on cue).
-NONFINITE_TEST_STEPS = {
-    int(x) for x in os.environ.get("TRAIN_TEST_NONFINITE_STEPS", "").split(",") if x
-}
-
-
-class RunStopped(RuntimeError):
-    """The run cannot go on (non-finite steps); what was good is saved and the message says how on."""
-
-
 def main(argv=None) -> None:
     quiet_known_warnings()
     cfg = parse_args(argv)
     if cfg.dry_run:  # no process group, no downloads, no weights
         return dry_run(cfg)
-    # Every process checks everything before the process group (a bad flag costs a second); rank 0 locks --out.
+    # Every process checks everything before the process group (a bad flag costs a second);
+    # rank 0 also takes the lock on --out.
     world = int(os.environ.get("WORLD_SIZE", 1))
-    check_run(cfg, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), extra_models=EXTRA_MODELS)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    check_run(cfg, world, local_world)
     check_available(parse_report_to(cfg.report_to))  # a ReportError is a refusal too (exit 2)
-    lock = open_run_dir(cfg, probe=cfg.check_only) if int(os.environ.get("RANK", 0)) == 0 else None
+    lock = None
+    if int(os.environ.get("RANK", 0)) == 0:
+        lock = open_run_dir(cfg, probe=cfg.check_only)
     if cfg.check_only:
         return
     rank, world, local_world, device = init_distributed(cfg.cpu_offload)
@@ -410,73 +454,171 @@ def dry_run(cfg: TrainConfig) -> None:
     # Under torchrun: its world; else this machine's GPUs; else the recipe's node of 8.
     world = int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 8
     check_flags(cfg)
-    mc, _ = resolve_model(cfg, download=False, weights=False, extra_models=EXTRA_MODELS)
+    mc, _ = resolve_model(cfg, download=False, weights=False)
     if mc is None:
         raise ConfigError(
-            f"--model {cfg.model}: its shapes are unknown without a download; for a dry run pass a "
-            f"directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})"
+            f"--model {cfg.model}: its shapes are unknown without a download; for a dry run pass "
+            f"a directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})"
         )
     sp, dp = check_layout(cfg, mc, world, min(world, 8))
-    print(
-        json.dumps(
-            {
-                "train": dataclasses.asdict(cfg),
-                "model": mc.to_dict(),
-                "gpus": world,
-                "sp": sp,
-                "dp": dp,
-                "tokens_per_rank": -(-cfg.seq_len // sp),
-            },
-            indent=2,
-            default=str,
-        )
-    )
+    resolved = {
+        "train": dataclasses.asdict(cfg),
+        "model": mc.to_dict(),
+        "gpus": world,
+        "sp": sp,
+        "dp": dp,
+        "tokens_per_rank": math.ceil(cfg.seq_len / sp),
+    }
+    print(json.dumps(resolved, indent=2, default=str))
     dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # "auto" on a GPU: bf16
     print(format_plan(plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")))
 
 
-def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: torch.device) -> None:
-    torch.manual_seed(cfg.seed)
-    # Again with the process group: a hub id is downloaded now (once per node), then checked.
-    mc, model_dir, sp, dp = check_run(
-        cfg, world, local_world, download=True, extra_models=EXTRA_MODELS
-    )
-    dtype = getattr(
-        torch,
-        cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32"),
-    )
-    if (
-        rank == 0
-    ):  # every field, so that `--config OUT/config.json` (plus a new --out) is this run again
+def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# The run: what it is, the model and its offload pool, resume, the steps, the save
+# ---------------------------------------------------------------------------------------------
+PEAK_TFLOPS = {  # dense bf16 per GPU, from the vendors' data sheets (for the mfu field)
+    "H100": 989.0,
+    "H200": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "B200": 2250.0,
+}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
+    """OUT/config.json (every field, so `--config OUT/config.json` reruns it) and the intro."""
+    if dist.get_rank() == 0:
         with open(os.path.join(cfg.out, "config.json"), "w") as fh:
             json.dump(dataclasses.asdict(cfg), fh, indent=2)
     log0(
-        f"config: {cfg.out}/config.json | model {cfg.model} ({mc.num_hidden_layers} layers, hidden {mc.hidden_size}) "
-        f"| data {cfg.data} | {cfg.seq_len:,} tokens/row | {world} {device.type} processes: sp {sp} x dp {dp} "
-        f"| {str(dtype)[6:]} | {cfg.steps} steps, lr {cfg.lr:g} {cfg.decay}"
+        f"config: {cfg.out}/config.json | model {cfg.model} ({mc.num_hidden_layers} layers, "
+        f"hidden {mc.hidden_size}) | data {cfg.data} | {cfg.seq_len:,} tokens/row | {world} "
+        f"{device.type} processes: sp {sp} x dp {dp} | {str(dtype)[6:]} | {cfg.steps} steps, "
+        f"lr {cfg.lr:g} {cfg.decay}"
     )
     if cfg.data == "synthetic:repeat":  # the demo's data: say what it shows
+        counted = "the repeated half only" if cfg.loss_on == "predictable" else "every label"
         log0(
-            f"demo: random rows of {cfg.seq_len} tokens whose second half repeats the first; the loss counts "
-            f"{'the repeated half only' if cfg.loss_on == 'predictable' else 'every label'}.\nwatch: it sits near "
-            f"ln {mc.vocab_size} = {math.log(mc.vocab_size):.2f} until attention finds the offset (across the sp "
+            f"demo: random rows of {cfg.seq_len} tokens whose second half repeats the first; "
+            f"the loss counts {counted}.\nwatch: it sits near ln {mc.vocab_size} = "
+            f"{math.log(mc.vocab_size):.2f} until attention finds the offset (across the sp "
             f"shards, through Ulysses), then falls towards 0."
         )
     if cfg.seq_len > mc.max_position_embeddings:
         log0(
-            f"warning: --seq-len {cfg.seq_len:,} exceeds max_position_embeddings ({mc.max_position_embeddings:,}); "
-            f"long-context runs want --yarn-factor"
+            f"warning: --seq-len {cfg.seq_len:,} exceeds max_position_embeddings "
+            f"({mc.max_position_embeddings:,}); long-context runs want --yarn-factor"
         )
 
-    # ---- data first: a missing corpus fails before minutes of weight loading (text: tokenised once per node)
-    cache = (
-        cfg.cache_dir or os.environ.get("QWEN3_1M_CACHE") or os.path.expanduser("~/.cache/qwen3-1m")
-    )
+
+def choose_attention(cfg, mc, sp, device, dtype) -> tuple[TrainConfig, str]:
+    """Pick the attention kernel for this layout; sdpa keeps no lse, so no attention once."""
+    try:
+        backend = pick_backend(
+            device,
+            dtype,
+            num_heads=mc.num_attention_heads // sp,
+            num_kv_heads=max(mc.num_key_value_heads // sp, 1),
+            head_dim=mc.head_dim,
+            seq_len=cfg.seq_len,
+            request=cfg.attn_backend,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    set_backend(backend)
+    if backend == "sdpa":
+        cfg = dataclasses.replace(cfg, save_attention=False)
+    return cfg, backend
+
+
+def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
+    if planned.save_attention:
+        padded_row = math.ceil(cfg.seq_len / sp) * sp
+        kept = saved_attention_bytes(
+            padded_row, mc.num_attention_heads, mc.head_dim, dtype.itemsize, sp=sp
+        )
+        where = "host" if cfg.offload else "device"
+        how = f"attention once per layer, {kept / 2**20:,.1f} MiB per layer per GPU on the {where}"
+    else:
+        how = "attention recomputed in backward"
+    why = f" ({planned.save_attention_why})" if planned.save_attention_why else ""
+    log0(f"attention: {BACKENDS[backend]} ({backend}); {how}{why}")
+
+
+def reserve_host_blocks(pool, cfg, mc, sp, dtype, device, save_attention: bool) -> None:
+    """Pin every host block the steps will use now: pinning takes seconds and synchronises, so
+    no step should do it. Each layer keeps its input [1, T/sp, hidden]; with attention once it
+    also keeps attention's output [1, T, heads/sp, head_dim] and lse [1, heads/sp, T], except the
+    last layer, whose backward comes first and so keeps its tensors on the device."""
+    tokens_per_rank = math.ceil(cfg.seq_len / sp)
+    padded_row = tokens_per_rank * sp
+    heads = mc.num_attention_heads // sp
+    layers = mc.num_hidden_layers - save_attention
+    saved = [((1, tokens_per_rank, mc.hidden_size), dtype)]
+    if save_attention:
+        saved.append(((1, padded_row, heads, mc.head_dim), dtype))
+        saved.append(((1, heads, padded_row), torch.float32))
+    show_progress = dist.get_rank() == 0 and sys.stderr.isatty()
+    pinned = blocks = seconds = 0
+    for shape, saved_dtype in saved:
+        r = pool.reserve(layers, shape, saved_dtype, device, progress=show_progress)
+        pinned, blocks, seconds = (
+            pinned + r["pinned_bytes"],
+            blocks + r["blocks"],
+            seconds + r["seconds"],
+        )
+    log0(f"offload: pinned {pinned / 2**30:.2f} GiB in {blocks} host blocks in {seconds:.1f} s")
+
+
+def resume_from(cfg, model, optimizer, loader, rank) -> int:
+    """The step to start at: 0, or the step of the checkpoint --resume names or finds."""
+    if not cfg.resume:
+        return 0
+    path = cfg.resume
+    if cfg.resume == "auto":
+        path, skipped = find_checkpoint(cfg.out)
+        for name, why in skipped:
+            log0(f"resume: skipped {name}: {why}")
+        if path is None:
+            log0(f"resume: no loadable checkpoint in {cfg.out}/checkpoints; starting at step 0")
+            return 0
+    start = load_checkpoint(path, model, optimizer, loader, rank)
+    log0(f"resumed from {path} at step {start}")
+    return start
+
+
+def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: torch.device) -> None:
+    torch.manual_seed(cfg.seed)
+    # Checked again with the process group: a hub id is downloaded now (once per node).
+    mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True)
+    dtype = compute_dtype(cfg, device)
+    describe_run(cfg, mc, world, sp, dp, device, dtype)
+
+    # ---- data first: a missing corpus fails before minutes of weight loading (text is
+    # tokenised once per node and cached)
+    cache = cfg.cache_dir or os.environ.get("QWEN3_1M_CACHE")
+    cache = cache or os.path.expanduser("~/.cache/qwen3-1m")
+    rows_needed = cfg.steps * cfg.grad_accum * dp
     rows = build_rows(
         cfg.data,
         model_dir,
         cfg.seq_len,
-        cfg.steps * cfg.grad_accum * dp,
+        rows_needed,
         cache_dir=cache,
         seed=cfg.seed,
         vocab_size=mc.vocab_size,
@@ -490,284 +632,106 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     model, load_stats = build_sharded_model(
         mc, mesh, device=device, model_dir=model_dir, param_dtype=dtype, cpu_offload=cfg.cpu_offload
     )
-    log0(
-        f"model ready in {time.perf_counter() - t0:.1f} s"
-        + (
-            f", read {load_stats.bytes_read / 2**30:.2f} GiB on rank 0"
-            if load_stats
-            else ", random init"
-        )
+    loaded = (
+        f"read {load_stats.bytes_read / 2**30:.2f} GiB on rank 0" if load_stats else "random init"
     )
+    log0(f"model ready in {time.perf_counter() - t0:.1f} s, {loaded}")
     model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
-    nh, T = (
-        mc.num_attention_heads // sp,
-        -(-cfg.seq_len // sp) * sp,
-    )  # heads per GPU, padded row length
-    try:
-        backend = pick_backend(
-            device,
-            dtype,
-            num_heads=nh,
-            num_kv_heads=max(mc.num_key_value_heads // sp, 1),
-            head_dim=mc.head_dim,
-            seq_len=cfg.seq_len,
-            request=cfg.attn_backend,
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    set_backend(backend)
-    cfg = (
-        dataclasses.replace(cfg, save_attention=False) if backend == "sdpa" else cfg
-    )  # sdpa: no lse to keep
-    # Attention once when asked, or (unset) when the planner finds host memory for it (choose_save_attention).
+    cfg, backend = choose_attention(cfg, mc, sp, device, dtype)
+    # Attention once when asked, or (unset) when the planner finds host memory for it.
     planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
-    save_attn, kept = (
-        planned.save_attention,
-        saved_attention_bytes(T, nh * sp, mc.head_dim, dtype.itemsize, sp=sp),
-    )
-    log0(
-        f"attention: {BACKENDS[backend]} ({backend}); "
-        + (
-            f"attention once per layer, {kept / 2**20:,.1f} MiB per "
-            f"layer per GPU on the {'host' if cfg.offload else 'device'}"
-            if save_attn
-            else "attention recomputed in backward"
-        )
-        + (f" ({planned.save_attention_why})" if planned.save_attention_why else "")
-    )
-    offload = apply_offload(
+    log_attention(cfg, mc, sp, dtype, backend, planned)
+    pool = apply_offload(
         model,
         offload=cfg.offload,
         min_bytes=cfg.offload_min_bytes,
         tile_mlp=cfg.tile_mlp or None,
-        save_attention=save_attn,
+        save_attention=planned.save_attention,
     )
-    if cfg.offload:  # every host block now, so that no step pins memory (seconds, and a sync)
-        L = (
-            mc.num_hidden_layers - save_attn
-        )  # with attention once the last layer keeps its input here
-        parts = [((1, T // sp, mc.hidden_size), dtype)] + (
-            [
-                ((1, T, nh, mc.head_dim), dtype),  # input; out, lse
-                ((1, nh, T), torch.float32),
-            ]
-            if save_attn
-            else []
-        )
-        r = [
-            offload.reserve(L, shape, dt, device, progress=rank == 0 and sys.stderr.isatty())
-            for shape, dt in parts
-        ]
-        log0(
-            f"offload: pinned {sum(x['pinned_bytes'] for x in r) / 2**30:.2f} GiB in {sum(x['blocks'] for x in r)} "
-            f"host blocks in {sum(x['seconds'] for x in r):.1f} s"
-        )
+    if cfg.offload:
+        reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.save_attention)
 
     loader = RowLoader(
         rows, mesh["dp"].get_local_rank(), dp, mesh["sp"].get_local_rank(), sp, device=device
     )
     optimizer = make_optimizer(cfg, model, device)
+    start = resume_from(cfg, model, optimizer, loader, rank)
 
-    # ---- resume: the newest checkpoint that is whole; metrics.jsonl cut back to its step
-    start, ckpt = 0, cfg.resume if cfg.resume not in ("", "auto") else None
-    if cfg.resume == "auto":
-        ckpt, skipped = find_checkpoint(cfg.out)
-        for name, why in skipped:
-            log0(f"resume: skipped {name}: {why}")
-        if ckpt is None:
-            log0(f"resume: no loadable checkpoint in {cfg.out}/checkpoints; starting at step 0")
-    if ckpt:
-        start = load_checkpoint(ckpt, model, optimizer, loader, rank)
-        log0(f"resumed from {ckpt} at step {start}")
-    metrics_path, metrics, reporter = (
-        cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl"),
-        None,
-        None,
-    )
-    if rank == 0:
-        if cfg.resume and trim_metrics(metrics_path, start):
-            log0(f"resume: {metrics_path} cut back to step {start}")
-        metrics = open(metrics_path, "a" if cfg.resume else "w")
-        reporter = Reporter(
-            parse_report_to(cfg.report_to),
-            cfg.out,
-            os.path.basename(os.path.abspath(cfg.out)),
-            dataclasses.asdict(cfg),
-            first_step=start + 1,
-        )
-
-    def checkpoint(n: int) -> str:
+    def checkpoint(step: int) -> str:
         path = save_checkpoint(
-            cfg.out, n, model, optimizer, loader, rank, keep=cfg.keep_checkpoints
+            cfg.out, step, model, optimizer, loader, rank, keep=cfg.keep_checkpoints
         )
-        log0(f"checkpoint: {path} (step {n})")
+        log0(f"checkpoint: {path} (step {step})")
         return path
 
-    # ---- the steps
-    # MFU counts model FLOPs the usual way: no recomputation (ours is overhead), backward = 2x forward
+    # MFU counts model FLOPs the usual way: no recomputation (ours is overhead), backward = 2x
+    # forward.
     flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
-    peak = next(
-        (
-            v
-            for k, v in PEAK_TFLOPS.items()
-            if device.type == "cuda" and k in torch.cuda.get_device_name()
-        ),
-        None,
+    log = StepLog(
+        cfg,
+        rank,
+        start=start,
+        planned_peak_gb=planned.total / 1e9,
+        peak_tflops=peak_tflops(device),
+        flops_per_step=flops,
+        world=world,
     )
-    bar = tqdm(
-        total=cfg.steps,
-        initial=start,
-        desc="train",
-        unit="step",
-        dynamic_ncols=True,
-        file=sys.stderr,
-        disable=rank != 0 or not sys.stderr.isatty(),
-    )  # on a terminal, a bar above the step lines
-    first = last = peak_gb = None  # (step, loss) of the first and last finite steps of this launch
-    saved_at, bad_run, bad_total, step, t_run = start, 0, 0, start - 1, time.perf_counter()
+    guard = NonFiniteGuard(cfg.max_bad_steps)
     measure = cfg.measure_memory or device.type == "cuda"
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
+    saved_at, done, stopped_by_signal, t_run = start, start, False, time.perf_counter()
+
+    # ---- the steps
     for step in range(start, end):
-        snapshot = (
-            step == start and cfg.memory_snapshot and device.type == "cuda"
-        )  # the allocator's history
-        if snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-        meter = (
-            StepMeter(
-                device, model=model, optimizer=optimizer, host=offload, host_state=cfg.cpu_offload
-            ).start()
-            if measure
-            else None
+        snapshot_path = cfg.memory_snapshot if step == start else ""
+        with cuda_memory_history(snapshot_path, device, rank):
+            meter = None
+            if measure:
+                meter = StepMeter(
+                    device, model=model, optimizer=optimizer, host=pool, host_state=cfg.cpu_offload
+                ).start()
+            t0 = time.perf_counter()
+            lr = lr_at(cfg, step)
+            set_lr(optimizer, lr)
+            micro_batches = [next_micro_batch(loader, cfg.loss_on) for _ in range(cfg.grad_accum)]
+            result = train_step(model, optimizer, micro_batches, cfg)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            peak_gb = meter.stop_all_ranks() / 1e9 if meter else None  # the largest rank's
+        offloaded = pool.reset_step().d2h_bytes if cfg.offload else None
+        done = step + 1
+        guard.update(done, result)
+        log.step(
+            step=done,
+            result=result,
+            lr=lr,
+            seconds=seconds,
+            peak_gb=peak_gb,
+            offloaded_bytes=offloaded,
+            guard=guard,
         )
-        t0 = time.perf_counter()
-        lr = lr_at(cfg, step)
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        micro = [next(loader) for _ in range(cfg.grad_accum)]
-        for b in micro:  # --loss-on predictable: only the labels a synthetic source marks count
-            if (pred := b.pop("predictable", None)) is not None and cfg.loss_on == "predictable":
-                b["labels"] = torch.where(pred, b["labels"], IGNORE)
-
-        # loss = sum over the step's valid labels / their global count: FSDP2 SUMs gradients (parallel.py)
-        count = torch.stack([(b["labels"] != IGNORE).sum() for b in micro]).sum().to(torch.float64)
-        dist.all_reduce(count)
-        count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
-        sums = torch.zeros(
-            2, dtype=torch.float64, device=device
-        )  # loss sum, stop signals: one all-reduce
-        for b in micro:
-            hidden = model(b["input_ids"], b["position_ids"])  # [1, T/sp, hidden]
-            loss_sum = chunked_cross_entropy(
-                hidden.flatten(0, 1),
-                model.lm_head.weight,
-                b["labels"].flatten(),
-                chunk_size=cfg.loss_chunk,
-                reduction="sum",
-            )
-            if step + 1 in NONFINITE_TEST_STEPS:
-                loss_sum = loss_sum * math.nan
-            del (
-                hidden
-            )  # the loss made its gradients in forward: 1 GiB per GPU at 1M tokens, not held
-            (loss_sum / count.to(loss_sum.dtype)).backward()
-            sums[0] += loss_sum.detach().double()
-        sums[1] = len(STOP)
-        dist.all_reduce(sums)
-        (loss, stops), tokens = (
-            sums.tolist(),
-            int(count.item()),
-        )  # one host read each, not one per use
-        loss /= tokens
-        grad_norm = global_grad_norm(model, cfg.grad_clip)
-        # A non-finite loss or gradient norm (the same on every rank) leaves weights and AdamW as they were.
-        bad = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        bad_run, bad_total = (bad_run + 1, bad_total + 1) if bad else (0, bad_total)
-        if not bad:
-            optimizer.step()
-            first, last = first or (step + 1, loss), (step + 1, loss)
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        peak_gb = meter.stop_all_ranks() / 1e9 if meter else None  # the largest rank's peak
-        moved = offload.reset_step()  # this step's offload counters
-
-        # ---- log
-        # A skipped step's NaN/inf is written as null: strict JSON readers (jq, JavaScript) have no NaN.
-        rec = {
-            "step": step + 1,
-            "loss": loss if math.isfinite(loss) else None,
-            "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
-            "lr": lr,
-            "tokens": tokens,
-            "step_time_s": dt,
-            "tokens_per_s": tokens / dt,
-            "tokens_per_s_per_gpu": tokens / dt / world,
-            "peak_mem_gb": peak_gb,
-            "planned_peak_gb": planned.total / 1e9,
-            "mfu": flops / dt / (world * peak * 1e12) if peak else None,
-            "skipped": bad,
-            "nonfinite_steps": bad_total,
-        }
-        if rank == 0:
-            print(json.dumps(rec), file=metrics, flush=True)
-            reporter.log(rec, step + 1)
-            line = (
-                f"step {step + 1:>4}/{cfg.steps} | loss {loss:.4f} | grad_norm {grad_norm:.3f} | lr {lr:.2e} | "
-                f"{tokens:,} tokens | {dt:.2f} s | {rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
-                + (f" | mfu {rec['mfu']:.1%}" if rec["mfu"] else "")
-                + (f" | peak {peak_gb:.3g} GB" if peak_gb else "")
-                + (f" | offloaded {moved.d2h_bytes / 1e6:,.1f} MB" if cfg.offload else "")
-                + (f" | NON-FINITE, skipped ({bad_run} in a row)" if bad else "")
-            )
-            bar.write(line)
-            bar.update(1)
-        if snapshot:
-            torch.cuda.memory._dump_snapshot(f"{cfg.memory_snapshot}.rank{rank}.pickle")
-            torch.cuda.memory._record_memory_history(enabled=None)
-        if bad_run >= cfg.max_bad_steps:  # the weights are still the last good step's: keep them
-            path = checkpoint(step + 1)
-            raise RunStopped(
-                f"{bad_run} non-finite steps in a row (steps {step + 2 - bad_run}-{step + 1}, last loss "
-                f"{loss}, grad_norm {grad_norm}); weights and optimizer are those after step "
-                f"{step + 1 - bad_run}, saved in {path}; lower --lr or check the data, then continue "
-                f"with --resume auto"
-            )
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            checkpoint(step + 1)
-            saved_at = step + 1
-        if stops > 0:  # a rank got SIGTERM/SIGUSR1: this step is done; save and leave together
+        if guard.tripped:  # the weights are still the last good step's: keep them
+            raise RunStopped(guard.message(checkpoint(done)))
+        if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+            checkpoint(done)
+            saved_at = done
+        if STOP.on_any_rank(device):  # this step is done; save and leave together
+            stopped_by_signal = True
             break
-    bar.close()
-    if rank == 0:
-        metrics.close()
-        reporter.close()
-    done = step + 1
-    log0(
-        f"{done - start} steps in {time.perf_counter() - t_run:.1f} s; memory per GPU: peak "
-        + (
-            f"{peak_gb:.4g} GB measured"
-            if peak_gb is not None
-            else "not measured" + ("" if measure else " (--measure-memory)")
-        )
-        + f", {planned.total / 1e9:.4g} GB planned (memory/plan.py)"
-    )
+    log.close()
+    elapsed = time.perf_counter() - t_run
+    log0(summary_line(log.peak_gb, measure, planned.total, done - start, elapsed))
 
     # ---- save: a resumable checkpoint and the model in the Hugging Face layout
     if done < cfg.steps:
-        path = (
-            checkpoint(done)
-            if saved_at != done
-            else os.path.join(cfg.out, "checkpoints", f"step_{done:06d}")
-        )
-        why = (
-            f"{' and '.join(sorted(set(STOP))) or 'a stop signal'} received"
-            if stops > 0
-            else "--stop-after"
-        )
+        path = os.path.join(cfg.out, "checkpoints", f"step_{done:06d}")
+        if saved_at != done:
+            path = checkpoint(done)
+        why = STOP.describe() if stopped_by_signal else "--stop-after"
         log0(
-            f"stopped after step {done} of {cfg.steps} ({why}); checkpoint {path}; continue with --resume auto"
+            f"stopped after step {done} of {cfg.steps} ({why}); checkpoint {path}; "
+            f"continue with --resume auto"
         )
         return
     if cfg.save_every:
@@ -776,46 +740,61 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     if cfg.save_final:
         from model.weights import save_safetensors
 
+        save_dtype = getattr(torch, cfg.save_dtype)
         save_safetensors(
-            model,
-            final,
-            dtype=getattr(torch, cfg.save_dtype),
-            tokenizer_dir=model_dir,
-            progress=rank == 0,
+            model, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0
         )
         log0(f"saved {final} (Hugging Face layout)")
-    # ---- what happened, and where it is
-    if first:
-        log0(
-            f"loss{' on the predictable labels' if cfg.loss_on == 'predictable' else ''}: {first[1]:.4f} at step "
-            f"{first[0]} -> {last[1]:.4f} at step {last[0]} ({last[1] / first[1]:.1%} of the first)"
-        )
-    log0(
-        f"outputs in {cfg.out}/: metrics.jsonl (one record per step), config.json (--config reruns it)"
-        + (", checkpoints/ (--resume auto)" if cfg.save_every else "")
-        + (
-            f'; load the model with AutoModelForCausalLM.from_pretrained("{final}")'
-            if cfg.save_final
-            else ""
-        )
+    log0_outputs(cfg, log, final)
+
+
+def summary_line(peak_gb, measured: bool, planned_bytes: float, steps: int, seconds: float) -> str:
+    if peak_gb is not None:
+        peak = f"{peak_gb:.4g} GB measured"
+    else:
+        peak = "not measured" + ("" if measured else " (--measure-memory)")
+    return (
+        f"{steps} steps in {seconds:.1f} s; memory per GPU: peak {peak}, "
+        f"{planned_bytes / 1e9:.4g} GB planned (memory/plan.py)"
     )
 
 
+def log0_outputs(cfg: TrainConfig, log: StepLog, final: str) -> None:
+    """What happened, and where it is."""
+    if log.first:
+        (first_step, first_loss), (last_step, last_loss) = log.first, log.last
+        which = " on the predictable labels" if cfg.loss_on == "predictable" else ""
+        log0(
+            f"loss{which}: {first_loss:.4f} at step {first_step} -> {last_loss:.4f} at step "
+            f"{last_step} ({last_loss / first_loss:.1%} of the first)"
+        )
+    outputs = (
+        f"outputs in {cfg.out}/: metrics.jsonl (one record per step), "
+        f"config.json (--config reruns it)"
+    )
+    if cfg.save_every:
+        outputs += ", checkpoints/ (--resume auto)"
+    if cfg.save_final:
+        outputs += f'; load the model with AutoModelForCausalLM.from_pretrained("{final}")'
+    log0(outputs)
+
+
 def fail(e: BaseException, code: int) -> None:
-    """One line per failure, rank 0's first: the other ranks (usually failing because of it) wait a moment."""
+    """One line per failure, rank 0's first: the other ranks (usually failing because of it)
+    wait a moment. Exit codes: 2 a refusal before anything ran, 3 stopped with the last good
+    state saved, 1 a fault (with its traceback, for whoever debugs it)."""
     rank = int(os.environ.get("RANK", 0))
     if rank:
         time.sleep(3)
-    if code == 1:  # not a refusal but a fault: the traceback is for whoever debugs it
+    if code == 1:
         import traceback
 
         traceback.print_exception(e)
     msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-    print(
-        f"error{f' (rank {rank})' if rank else ''}: {msg if code != 1 else f'{type(e).__name__}: {msg}'}",
-        file=sys.stderr,
-        flush=True,
-    )
+    if code == 1:
+        msg = f"{type(e).__name__}: {msg}"
+    who = f" (rank {rank})" if rank else ""
+    print(f"error{who}: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -824,7 +803,7 @@ if __name__ == "__main__":
         main()
     except (ConfigError, ReportError) as e:  # a refusal before anything ran
         fail(e, 2)
-    except (RunStopped, DiskSpaceError) as e:  # stopped on purpose, with the last good state saved
+    except (RunStopped, DiskSpaceError) as e:  # stopped on purpose, the last good state saved
         fail(e, 3)
     except Exception as e:
         fail(e, 1)

@@ -104,22 +104,8 @@ def build_rows(
         raise ValueError(f"seq_len and num_rows must be positive, got {seq_len} and {num_rows}")
     seq_len, num_rows = int(seq_len), int(num_rows)
 
-    if source in ("synthetic:copy", "synthetic:repeat"):
-        if vocab_size is None:
-            if tokenizer is None:
-                raise ValueError(f"{source} needs vocab_size= (or a tokenizer to take it from)")
-            vocab_size = encode.load_tokenizer(tokenizer).vocab_size  # without added special tokens
-        return CopyRows(
-            seq_len,
-            num_rows,
-            int(vocab_size),
-            seed=seed,
-            mode="spans" if source == "synthetic:copy" else "repeat",
-        )
     if source.startswith("synthetic:"):
-        raise ValueError(
-            f"unknown synthetic source {source!r}; the ones there are: 'synthetic:copy', 'synthetic:repeat'"
-        )
+        return _synthetic_rows(source, tokenizer, seq_len, num_rows, vocab_size, seed)
     if source.startswith("tokens:"):
         return _token_file_rows(source[len("tokens:") :], seq_len, num_rows, vocab_size)
     if cache_dir is None:
@@ -131,6 +117,40 @@ def build_rows(
             f"source {source!r} is text: pass the model's tokenizer (its directory or object)"
         )
 
+    options = dict(seed=seed, eos_token=eos_token, text_column=text_column)
+    options.update(shuffle_buffer=shuffle_buffer, progress=progress, verify=verify)
+    return _text_rows(source, tokenizer, seq_len, num_rows, cache_dir, **options)
+
+
+def _synthetic_rows(source, tokenizer, seq_len, num_rows, vocab_size, seed) -> CopyRows:
+    if source not in ("synthetic:copy", "synthetic:repeat"):
+        raise ValueError(
+            f"unknown synthetic source {source!r}; the ones there are: 'synthetic:copy', "
+            f"'synthetic:repeat'"
+        )
+    if vocab_size is None:
+        if tokenizer is None:
+            raise ValueError(f"{source} needs vocab_size= (or a tokenizer to take it from)")
+        vocab_size = encode.load_tokenizer(tokenizer).vocab_size  # without added special tokens
+    mode = "spans" if source == "synthetic:copy" else "repeat"
+    return CopyRows(seq_len, num_rows, int(vocab_size), seed=seed, mode=mode)
+
+
+def _text_rows(
+    source,
+    tokenizer,
+    seq_len,
+    num_rows,
+    cache_dir,
+    *,
+    seed,
+    eos_token,
+    text_column,
+    shuffle_buffer,
+    progress,
+    verify,
+) -> Rows:
+    """Text tokenised once into the cache (under its lock), then memory-mapped."""
     key = {
         "source": sources.describe(source, text_column, shuffle_buffer),
         "tokenizer": encode.fingerprint(tokenizer),

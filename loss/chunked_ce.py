@@ -51,6 +51,30 @@ def _fused_ops(device):
     return _FUSED[device.type]
 
 
+def _logits_fp32(h, weight, out, low: bool, fused_mm: bool) -> torch.Tensor:
+    """out[c, V] = h @ weight.T in fp32: straight out of the bf16 GEMM where torch can, else one
+    upcast of the bf16 product."""
+    if not low:
+        return torch.mm(h, weight.T, out=out)
+    if fused_mm:
+        return torch.mm(h, weight.T, out_dtype=torch.float32, out=out)
+    return out.copy_(torch.mm(h, weight.T))
+
+
+def _add_weight_grad(grad_w, p, h, low: bool, fused_addmm: bool) -> None:
+    """grad_w[V, H] (fp32) += p.T @ h. For bf16 the best is one GEMM that reads bf16 operands and
+    accumulates into the fp32 buffer in place (addmm with out_dtype, on CUDA). Without it, round
+    each chunk's bf16 product once and add it in fp32: still fp32 across chunks, at the cost of a
+    [V, H] bf16 temporary. Upcasting the weight, or keeping the accumulator in bf16, is what we
+    must not do."""
+    if not low:
+        grad_w.addmm_(p.T, h)
+    elif fused_addmm:
+        torch.addmm(grad_w, p.T, h, out_dtype=torch.float32, out=grad_w)
+    else:
+        grad_w.add_(torch.mm(p.T, h))
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Sum (or mean) of cross_entropy(hidden @ weight.T, labels), both gradients made in forward."""
 
@@ -96,14 +120,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 h, t = hidden.index_select(0, idx), labels.index_select(0, idx)
             t = t.unsqueeze(1)  # [c, 1]
 
-            # Logits in fp32: straight out of the bf16 GEMM where torch can, else one upcast.
-            z = z_buf[:c]  # [c, V]
-            if not low:
-                torch.mm(h, weight.T, out=z)
-            elif fused_mm:
-                torch.mm(h, weight.T, out_dtype=torch.float32, out=z)
-            else:
-                z.copy_(torch.mm(h, weight.T))
+            z = _logits_fp32(h, weight, z_buf[:c], low, fused_mm)  # [c, V]
 
             # log-softmax in one fused pass per row (fp32); loss = -log p[t].
             logp = torch.log_softmax(z, dim=1, out=l_buf[:c])  # [c, V]
@@ -123,17 +140,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 else:
                     grad_h.index_copy_(0, idx, torch.mm(p, weight))
             if need_w:
-                # grad_w += p.T @ h. For bf16 the best is one GEMM that reads bf16 operands and
-                # accumulates into the fp32 buffer in place (addmm with out_dtype, on CUDA).
-                # Without it, round each chunk's bf16 product once and add it in fp32: still
-                # fp32 across chunks, at the cost of a [V, H] bf16 temporary. Upcasting the
-                # weight, or keeping the accumulator in bf16, is what we must not do.
-                if not low:
-                    grad_w.addmm_(p.T, h)
-                elif fused_addmm:
-                    torch.addmm(grad_w, p.T, h, out_dtype=torch.float32, out=grad_w)
-                else:
-                    grad_w.add_(torch.mm(p.T, h))
+                _add_weight_grad(grad_w, p, h, low, fused_addmm)  # grad_w += p.T @ h
 
         loss = losses.sum()
         if mean and n > 0:

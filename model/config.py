@@ -344,4 +344,18 @@ PRESETS: dict[str, Qwen3Config] = {
         bos_token_id=None,
         eos_token_id=None,
     ),
+    # The CPU demo (train.py --preset demo): 64 tokens, so a row's first half is random and its
+    # second half predictable; 2 layers are enough to learn to copy across the sp shards.
+    "demo": Qwen3Config(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
 }

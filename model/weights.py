@@ -1,5 +1,8 @@
 """Safetensors in and out, in the Hugging Face layout, for plain or FSDP2-sharded models.
 
+    stats = load_safetensors(model, "/models/Qwen3-8B")   # each rank reads only its own rows
+    save_safetensors(model, "runs/x/final", dtype=torch.bfloat16, tokenizer_dir=model_dir)
+
 load_safetensors(model, path): every tensor is read lazily through safe_open's get_slice, and
 only the rows this process owns: for an FSDP2 parameter (a DTensor sharded on dim 0) that is its
 shard's rows, for a plain tensor all of them. No process reads a whole file or a tensor it does

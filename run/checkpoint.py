@@ -16,7 +16,7 @@ Rotation keeps the `keep` newest checkpoints at or before the one just written a
 ones only after the new one is complete. Before writing, the free space under OUT/checkpoints is
 compared with the checkpoint's size (every rank's tensors); a shortfall raises DiskSpaceError and
 writes nothing, so the last good checkpoint stays as it was. free_bytes() is the one place that
-asks the filesystem; tests replace it (or set TRAIN_FAKE_FREE_BYTES for a subprocess).
+asks the filesystem.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ class DiskSpaceError(RuntimeError):
 
 
 def free_bytes(path: str) -> int:
-    """Free bytes on the filesystem holding `path` (TRAIN_FAKE_FREE_BYTES overrides it, for tests)."""
-    fake = os.environ.get("TRAIN_FAKE_FREE_BYTES")
-    return int(fake) if fake else shutil.disk_usage(path).free
+    """Free bytes on the filesystem holding `path` (the one place that asks the filesystem)."""
+    return shutil.disk_usage(path).free
 
 
 def _local_bytes(state) -> int:

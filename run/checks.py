@@ -1,6 +1,6 @@
 """Every check a run can fail, before the process group exists and before any weight is read.
 
-    mc, model_dir, sp, dp = check_run(cfg, world, local_world, extra_models={"demo": DEMO})
+    mc, model_dir, sp, dp = check_run(cfg, world, local_world)
     open_run_dir(cfg)            # rank 0: lock --out, refuse to mix runs, --overwrite moves aside
 
 check_run is cheap (flags, config.json, a tokenizer, a token file's ids) and raises ConfigError
@@ -124,15 +124,13 @@ def check_flags(cfg) -> None:
 
 # ---- the model --------------------------------------------------------------------------------
 def resolve_model(
-    cfg, *, download: bool, weights: bool = True, extra_models=None
+    cfg, *, download: bool, weights: bool = True
 ) -> tuple[Qwen3Config | None, str | None]:
     """The model's config and its weights directory (None: random init, or a hub id not fetched yet,
     whose config is then None unless its shapes are known). weights=False (dry runs): a directory
     with only config.json will do. The weights themselves are never opened here."""
-    name, extra = cfg.model, extra_models or {}
-    if name in extra:
-        mc, path = extra[name], None
-    elif name in MODEL_PRESETS:
+    name = cfg.model
+    if name in MODEL_PRESETS:
         mc, path = MODEL_PRESETS[name], None
     elif os.path.isdir(name):
         mc, path = _from_hf(name), name
@@ -160,8 +158,8 @@ def resolve_model(
             )
     else:
         raise ConfigError(
-            f"--model {name!r}: no such directory, preset ({', '.join(sorted(MODEL_PRESETS))}, "
-            f"{', '.join(extra) or '-'}) or hub id (owner/name)"
+            f"--model {name!r}: no such directory, preset ({', '.join(sorted(MODEL_PRESETS))}) "
+            f"or hub id (owner/name)"
         )
     if mc is not None and cfg.yarn_factor:
         mc = mc.with_yarn(cfg.yarn_factor, cfg.yarn_original)
@@ -294,16 +292,14 @@ def check_data(
 
 
 # ---- all of it --------------------------------------------------------------------------------
-def check_run(cfg, world: int, local_world: int, *, download: bool = False, extra_models=None):
+def check_run(cfg, world: int, local_world: int, *, download: bool = False):
     """(model config or None, model dir or None, sp, dp); see the module docstring."""
     check_flags(cfg)
-    mc, model_dir = resolve_model(cfg, download=download, extra_models=extra_models)
+    mc, model_dir = resolve_model(cfg, download=download)
     if mc is None:  # an unknown hub id before its download: what needs its config waits for it
         return None, None, cfg.sp or local_world, world // (cfg.sp or local_world)
     sp, dp = check_layout(cfg, mc, world, local_world)
-    random_init = model_dir is None and (
-        cfg.model in MODEL_PRESETS or cfg.model in (extra_models or {})
-    )
+    random_init = model_dir is None and cfg.model in MODEL_PRESETS
     check_data(cfg, mc, model_dir, random_init, cfg.steps * cfg.grad_accum * dp)
     return mc, model_dir, sp, dp
 

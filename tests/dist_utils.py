@@ -142,7 +142,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180.0) -> list:
 # train.py on N ranks
 # ---------------------------------------------------------------------------------------------
 def _train_rank(
-    rank: int, nproc: int, port: int, argv: list, env: dict, out: str, err: str
+    rank: int, nproc: int, port: int, argv: list, env: dict, out: str, err: str, setup
 ) -> None:
     # Both streams of every rank go to one file each, appended in the order written, as torchrun
     # interleaves its workers' output.
@@ -164,6 +164,8 @@ def _train_rank(
     sys.argv, code = ["train.py", *argv], 0
     os.chdir(ROOT)
     try:
+        if setup is not None:  # the test's own patches (failure injection), in this rank only
+            setup()
         runpy.run_path(os.path.join(ROOT, "train.py"), run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -180,10 +182,17 @@ def _train_rank(
 
 
 def run_train(
-    nproc: int, *argv: str, env: dict | None = None, timeout: float = 300.0, check: bool = True
+    nproc: int,
+    *argv: str,
+    env: dict | None = None,
+    timeout: float = 300.0,
+    check: bool = True,
+    setup=None,
 ) -> subprocess.CompletedProcess:
     """train.py FLAGS on nproc ranks (see the module docstring); returncode: the exit code of the
-    first rank to fail, else 0. check=True raises with the output unless it is 0."""
+    first rank to fail, else 0. check=True raises with the output unless it is 0. setup: a
+    picklable callable (a module-level function, or a functools.partial of one) that each rank
+    runs before train.py, to patch the modules train.py imports (e.g. to inject a failure)."""
     env = {
         "OMP_NUM_THREADS": "1",
         "QWEN3_1M_CACHE": os.path.join(tempfile.gettempdir(), "qwen3-1m-tests"),
@@ -198,7 +207,7 @@ def run_train(
         procs = [
             ctx.Process(
                 target=_train_rank,
-                args=(r, nproc, store.port if store else 0, list(argv), env, out, err),
+                args=(r, nproc, store.port if store else 0, list(argv), env, out, err, setup),
             )
             for r in range(nproc)
         ]

@@ -6,7 +6,9 @@ inferred: the model directory's model.safetensors is a FIFO, so any attempt to r
 the case times out instead of exiting 2.
 """
 
+import functools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -38,12 +40,14 @@ CFG = Qwen3Config(
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
-def run(args, *, nproc=1, env=None, timeout=120, launcher="fork"):
+def run(args, *, nproc=1, env=None, timeout=120, launcher="fork", setup=None):
     """train.py (or torchrun.sh) with args; returns the CompletedProcess. launcher "fork": train.py as
     __main__ on nproc ranks forked from dist_utils' fork server (torchrun's environment, no
     per-rank import of torch); "python": a plain `python train.py`; "torchrun.sh": the front door."""
     if launcher == "fork":  # forked from a process that has ENV's settings already
-        return dist_utils.run_train(nproc, *args, env=env, timeout=timeout, check=False)
+        return dist_utils.run_train(
+            nproc, *args, env=env, timeout=timeout, check=False, setup=setup
+        )
     env = {**ENV, **(env or {})}
     if launcher == "torchrun.sh":
         cmd = ["bash", "torchrun.sh", *args]
@@ -306,13 +310,20 @@ def test_resume_auto_skips_a_truncated_latest_and_leaves_no_duplicate(tmp_path):
     assert [m["loss"] for m in resumed] == straight
 
 
+def disk_with_1_mb_free():
+    """Setup for a train.py rank: the filesystem reports 1 MB free."""
+    import run.checkpoint
+
+    run.checkpoint.free_bytes = lambda path: 1_000_000
+
+
 @pytest.mark.slow
 def test_disk_shortfall_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path):
     """Two processes: the error every rank raises reaches the user as rank 0's one line, first."""
     out = tmp_path / "run"
     args = tiny_run(out, "--steps", "4", "--save-every", "1", "--keep-checkpoints", "1")
     ok(run(args + ["--stop-after", "1"], nproc=2))
-    p = run(args + ["--resume", "auto"], nproc=2, env={"TRAIN_FAKE_FREE_BYTES": "1000000"})
+    p = run(args + ["--resume", "auto"], nproc=2, setup=disk_with_1_mb_free)
     errors = [x for x in p.stderr.splitlines() if x.startswith("error")]
     assert p.returncode != 0 and errors, p.stderr[-3000:]
     assert errors[0].startswith("error: not enough disk for checkpoint step_000002"), errors
@@ -413,16 +424,31 @@ def _flat(x, prefix=""):
     return {prefix: x}
 
 
+def nan_loss_at_steps(steps):
+    """Setup for a train.py rank: the chunked loss is NaN at these 1-based steps (one loss call per
+    step: no accumulation), because no tiny float32 model diverges on cue."""
+    import loss.chunked_ce
+
+    real, calls = loss.chunked_ce.chunked_cross_entropy, [0]
+
+    def chunked_cross_entropy(*args, **kwargs):
+        calls[0] += 1
+        value = real(*args, **kwargs)
+        return value * math.nan if calls[0] in steps else value
+
+    loss.chunked_ce.chunked_cross_entropy = chunked_cross_entropy
+
+
 @pytest.mark.slow
 def test_nonfinite_steps_change_nothing_and_stop_the_run_after_max_bad_steps(tmp_path):
-    """Steps 2-4 get a NaN loss (TRAIN_TEST_NONFINITE_STEPS): the checkpoints after steps 2 and 4 hold
+    """Steps 2-4 get a NaN loss (nan_loss_at_steps): the checkpoints after steps 2 and 4 hold
     exactly the weights and AdamW state of step 1, and the third bad step in a row stops the run."""
     out = tmp_path / "run"
     p = run(
         tiny_run(
             out, "--steps", "8", "--save-every", "1", "--keep-checkpoints", "0", "--lr", "1e-2"
         ),
-        env={"TRAIN_TEST_NONFINITE_STEPS": "2,3,4"},
+        setup=functools.partial(nan_loss_at_steps, (2, 3, 4)),
     )
     line = [x for x in p.stderr.splitlines() if x.startswith("error")]
     assert p.returncode == 3 and len(line) == 1, p.stderr[-3000:]

@@ -1,0 +1,141 @@
+"""What each training step leaves behind: one record in metrics.jsonl, one console line, reporters.
+
+    log = StepLog(cfg, rank, start=0, planned_peak_gb=34.5, peak_tflops=989.0, flops_per_step=f)
+    log.step(step=1, result=result, lr=1e-5, seconds=12.3, peak_gb=33.1, offloaded_bytes=b,
+             guard=guard)
+    log.close()
+    log.first, log.last                  # (step, loss) of this launch's first and last good steps
+
+Only rank 0 writes; on the other ranks every method is a no-op, so the loop needs no rank checks.
+The record's fields are listed in README ("metrics.jsonl"); a skipped step's non-finite loss and
+grad norm are written as null, because strict JSON readers (jq, JavaScript) have no NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+
+from tqdm import tqdm
+
+from run.checkpoint import trim_metrics
+from run.report import Reporter, parse_report_to
+
+
+def finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+class StepLog:
+    def __init__(
+        self,
+        cfg,
+        rank: int,
+        *,
+        start: int,
+        planned_peak_gb: float,
+        peak_tflops: float | None,
+        flops_per_step: float,
+        world: int,
+    ) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.planned_peak_gb = planned_peak_gb
+        self.peak_tflops, self.flops_per_step = peak_tflops, flops_per_step
+        self.first: tuple[int, float] | None = None
+        self.last: tuple[int, float] | None = None
+        self.peak_gb: float | None = None
+        if rank != 0:
+            return
+        self.path = cfg.metrics_file or os.path.join(cfg.out, "metrics.jsonl")
+        # A resumed run continues the file; records after the resumed step belong to a timeline
+        # that is being replaced, so they go.
+        if cfg.resume and trim_metrics(self.path, start):
+            print(f"resume: {self.path} cut back to step {start}", flush=True)
+        self.file = open(self.path, "a" if cfg.resume else "w")
+        run_name = os.path.basename(os.path.abspath(cfg.out))
+        self.reporter = Reporter(
+            parse_report_to(cfg.report_to),
+            cfg.out,
+            run_name,
+            dataclasses.asdict(cfg),
+            first_step=start + 1,
+        )
+        # On a terminal, a bar above the step lines; in a log file, only the lines.
+        self.bar = tqdm(
+            total=cfg.steps,
+            initial=start,
+            desc="train",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            disable=not sys.stderr.isatty(),
+        )
+
+    def step(
+        self, *, step: int, result, lr: float, seconds: float, peak_gb, offloaded_bytes, guard
+    ):
+        """Note a finished step (1-based `step`) and, on rank 0, write its record and line.
+        `guard` is the run's NonFiniteGuard, already updated with this step."""
+        self.guard = guard
+        if not result.skipped:
+            self.first = self.first or (step, result.loss)
+            self.last = (step, result.loss)
+        self.peak_gb = peak_gb
+        if self.rank != 0:
+            return
+        record = self.record(step, result, lr, seconds, peak_gb)
+        print(json.dumps(record), file=self.file, flush=True)
+        self.reporter.log(record, step)
+        self.bar.write(self.console_line(record, offloaded_bytes))
+        self.bar.update(1)
+
+    def record(self, step: int, result, lr: float, seconds: float, peak_gb) -> dict:
+        tokens_per_s = result.tokens / seconds
+        mfu = None
+        if self.peak_tflops:
+            mfu = self.flops_per_step / seconds / (self.world * self.peak_tflops * 1e12)
+        return {
+            "step": step,
+            "loss": finite_or_none(result.loss),
+            "grad_norm": finite_or_none(result.grad_norm),
+            "lr": lr,
+            "tokens": result.tokens,
+            "step_time_s": seconds,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_gpu": tokens_per_s / self.world,
+            "peak_mem_gb": peak_gb,
+            "planned_peak_gb": self.planned_peak_gb,
+            "mfu": mfu,
+            "skipped": result.skipped,
+            "nonfinite_steps": self.guard.total,
+        }
+
+    def console_line(self, rec: dict, offloaded_bytes: int | None) -> str:
+        parts = [
+            f"step {rec['step']:>4}/{self.cfg.steps}",
+            f"loss {rec['loss'] if rec['loss'] is not None else math.nan:.4f}",
+            f"grad_norm {rec['grad_norm'] if rec['grad_norm'] is not None else math.nan:.3f}",
+            f"lr {rec['lr']:.2e}",
+            f"{rec['tokens']:,} tokens",
+            f"{rec['step_time_s']:.2f} s",
+            f"{rec['tokens_per_s_per_gpu']:,.0f} tok/s/gpu",
+        ]
+        if rec["mfu"]:
+            parts.append(f"mfu {rec['mfu']:.1%}")
+        if rec["peak_mem_gb"]:
+            parts.append(f"peak {rec['peak_mem_gb']:.3g} GB")
+        if offloaded_bytes is not None:
+            parts.append(f"offloaded {offloaded_bytes / 1e6:,.1f} MB")
+        if rec["skipped"]:
+            parts.append(f"NON-FINITE, skipped ({self.guard.in_a_row} in a row)")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if self.rank != 0:
+            return
+        self.bar.close()
+        self.file.close()
+        self.reporter.close()

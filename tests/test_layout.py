@@ -1,0 +1,106 @@
+"""The repository's shape, for readers who copy single files: what each package may import, that
+every copyable file opens with a usage example, how long functions get, and that product code
+speaks of the project as it is (no history, no test-only switches)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("bench", "data", "loss", "memory", "model", "run")
+
+
+def python_files(*dirs: str) -> list[str]:
+    found = []
+    for d in dirs:
+        for name in sorted(os.listdir(os.path.join(ROOT, d))):
+            if name.endswith(".py"):
+                found.append(os.path.join(d, name))
+    return found
+
+
+def product_files() -> list[str]:
+    return ["train.py", *python_files(*PACKAGES)]
+
+
+def parse(path: str) -> ast.Module:
+    with open(os.path.join(ROOT, path)) as f:
+        return ast.parse(f.read(), path)
+
+
+def imported_packages(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def code_lines(path: str) -> int:
+    with open(os.path.join(ROOT, path)) as f:
+        return sum(1 for line in f if line.strip())
+
+
+@pytest.mark.parametrize("path", python_files("model", "loss"))
+def test_model_and_loss_stand_alone_and_open_with_usage(path):
+    """model/ and loss/ are what people copy: they import nothing of the trainer around them."""
+    tree = parse(path)
+    assert not imported_packages(tree) & {"run", "memory", "data", "bench", "train"}, path
+    doc = ast.get_docstring(tree, clean=False)
+    if os.path.basename(path) == "__init__.py" and not doc:
+        return
+    assert doc, f"{path} has no module docstring"
+    # A usage example is an indented code line in the docstring's opening paragraphs.
+    opening = doc.splitlines()[:25]
+    assert any(line.startswith("    ") and line.strip() for line in opening), path
+
+
+def test_functions_in_model_loss_data_are_at_most_80_lines():
+    long = []
+    for path in python_files("model", "loss", "data"):
+        for node in ast.walk(parse(path)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, long
+
+
+def test_the_step_loop_fits_on_a_screen():
+    train_fn = next(
+        n
+        for n in ast.walk(parse("train.py"))
+        if isinstance(n, ast.FunctionDef) and n.name == "train"
+    )
+    loop = next(n for n in ast.walk(train_fn) if isinstance(n, ast.For))
+    body = loop.body[-1].end_lineno - loop.body[0].lineno + 1
+    assert body <= 60, f"train()'s step loop body is {body} lines"
+
+
+def test_bench_is_at_most_12_percent_of_the_product():
+    bench = sum(code_lines(p) for p in python_files("bench"))
+    total = sum(code_lines(p) for p in product_files())
+    assert bench / total <= 0.12, f"bench/ is {bench} of {total} non-blank lines"
+
+
+HISTORY = [
+    re.compile(r"\bissues? \d+", re.IGNORECASE),  # issue numbers
+    re.compile(r"\bcommit [0-9a-f]{7,40}\b"),  # commit hashes
+    re.compile(r"DESIGN\.md"),  # a document readers do not have
+]
+
+
+@pytest.mark.parametrize("path", [*product_files(), "README.md", "torchrun.sh"])
+def test_product_speaks_of_the_project_as_it_is(path):
+    with open(os.path.join(ROOT, path)) as f:
+        text = f.read()
+    for pattern in HISTORY:
+        assert not pattern.search(text), f"{path}: {pattern.search(text).group(0)!r}"
+    # Failure injection lives in the tests (monkeypatching), not in variables product code reads.
+    assert not re.search(r"environ[^\n]*TRAIN_(TEST|FAKE)", text), path
