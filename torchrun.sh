@@ -7,7 +7,6 @@
 #   written, exit 0; the same command with --resume auto continues.
 set -euo pipefail
 cd "$(dirname "$0")"
-export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}  # 1 GB+ tensors, no fragmentation
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
 if [ "$gpus" -gt 0 ]; then

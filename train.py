@@ -18,6 +18,7 @@ different rows.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -34,6 +35,11 @@ from run.signals import StopSignals
 STOP = StopSignals()
 if __name__ == "__main__":
     STOP.install()
+    # The recipe's 1 GiB+ activations come and go in many sizes; expandable segments grow one
+    # mapping instead of leaving fixed-size segments half used. The allocator reads this once,
+    # when CUDA initialises, so it is set before torch is imported; a user's own setting wins.
+    if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 import torch  # after the signal handlers, on purpose
 import torch.distributed as dist
@@ -47,7 +53,7 @@ from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_b
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
 from model.offload import apply_offload
-from model.parallel import build_mesh, build_sharded_model
+from model.parallel import build_mesh, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention
 from run.checkpoint import DiskSpaceError, find_checkpoint, load_checkpoint, save_checkpoint
 from run.checks import CHOICES, check_flags, check_layout, check_run, open_run_dir, resolve_model
@@ -329,9 +335,7 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
     return cfg.lr
 
 
-def make_optimizer(
-    cfg: TrainConfig, model: torch.nn.Module, device: torch.device
-) -> torch.optim.Optimizer:
+def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     # Matrices and embeddings are decayed; norms' weights are not.
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -339,13 +343,28 @@ def make_optimizer(
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # The fused kernel is CUDA's; with --cpu-offload the shards are on the CPU.
-    if device.type == "cuda" and not cfg.cpu_offload:
-        implementation = {"fused": True}
-    else:
-        implementation = {"foreach": True}
+    # One fused kernel per dtype group, on CUDA and on the CPU (where --cpu-offload keeps the
+    # shards): fewer passes over the fp32 states than foreach, and the same kernel on both paths,
+    # so a --cpu-offload run equals a plain one on a CPU to the bit.
     betas = (cfg.beta1, cfg.beta2)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, **implementation)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.adam_eps, fused=True)
+
+
+@contextlib.contextmanager
+def host_threads(enabled: bool):
+    """With --cpu-offload the clipping and AdamW run on the host: give them this rank's share of
+    the node's cores (torchrun.sh sets OMP_NUM_THREADS=1 for the GPU ranks' Python side)."""
+    if not enabled:
+        yield
+        return
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    share = max(1, len(os.sched_getaffinity(0)) // local_world)
+    before = torch.get_num_threads()
+    torch.set_num_threads(share)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -412,11 +431,12 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
     dist.all_reduce(loss_sum)
     tokens = int(count.item())
     loss = loss_sum.item() / tokens
-    grad_norm = global_grad_norm(model, cfg.grad_clip)
-    # Loss and norm are the same on every rank, so every rank skips (or steps) together.
-    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-    if not skipped:
-        optimizer.step()
+    with host_threads(cfg.cpu_offload):
+        grad_norm = global_grad_norm(model, cfg.grad_clip)
+        # Loss and norm are the same on every rank, so every rank skips (or steps) together.
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not skipped:
+            optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=skipped)
 
@@ -498,6 +518,14 @@ def peak_tflops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def cuda_reserved_gb(device: torch.device) -> float | None:
+    """The most memory the CUDA caching allocator held this step (the meter reset the peak at
+    the step's start): what the GPU really gave up, allocated memory plus the cache's slack."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 1e9
 
 
 def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
@@ -636,7 +664,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         f"read {load_stats.bytes_read / 2**30:.2f} GiB on rank 0" if load_stats else "random init"
     )
     log0(f"model ready in {time.perf_counter() - t0:.1f} s, {loaded}")
-    model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
+    model.set_attention(UlyssesAttention(ulysses_group(mesh)))
     cfg, backend = choose_attention(cfg, mc, sp, device, dtype)
     # Attention once when asked, or (unset) when the planner finds host memory for it.
     planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
@@ -654,7 +682,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     loader = RowLoader(
         rows, mesh["dp"].get_local_rank(), dp, mesh["sp"].get_local_rank(), sp, device=device
     )
-    optimizer = make_optimizer(cfg, model, device)
+    optimizer = make_optimizer(cfg, model)
     start = resume_from(cfg, model, optimizer, loader, rank)
 
     def checkpoint(step: int) -> str:
@@ -699,6 +727,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
             peak_gb = meter.stop_all_ranks() / 1e9 if meter else None  # the largest rank's
+            reserved_gb = cuda_reserved_gb(device)
         offloaded = pool.reset_step().d2h_bytes if cfg.offload else None
         done = step + 1
         guard.update(done, result)
@@ -708,6 +737,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             lr=lr,
             seconds=seconds,
             peak_gb=peak_gb,
+            reserved_gb=reserved_gb,
             offloaded_bytes=offloaded,
             guard=guard,
         )

@@ -249,3 +249,18 @@ def build_sharded_model(
         model.init_weights()
         return model, None
     return model, load_safetensors(model, model_dir, progress=progress and dist.get_rank() == 0)
+
+
+def ulysses_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """A process group of its own for this rank's sp ranks, for the Ulysses all-to-alls.
+
+    mesh["sp"].get_group() would do for correctness, but with dp = 1 it is the world group, which
+    FSDP2's all-gathers and reduce-scatters use too, and collectives of one NCCL communicator run
+    one after another: an all-to-all would wait behind the next layer's prefetched all-gather.
+    Collective: every rank creates every sp group, in the same order (mesh rows)."""
+    mine = None
+    for ranks in mesh.mesh.reshape(-1, mesh.size(1)).tolist():  # one row of the (dp, sp) grid each
+        group = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = group
+    return mine

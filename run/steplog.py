@@ -1,7 +1,8 @@
 """What each training step leaves behind: one record in metrics.jsonl, one console line, reporters.
 
     log = StepLog(cfg, rank, start=0, planned_peak_gb=34.5, peak_tflops=989.0, flops_per_step=f)
-    log.step(step=1, result=result, lr=1e-5, seconds=12.3, peak_gb=33.1, offloaded_bytes=b,
+    log.step(step=1, result=result, lr=1e-5, seconds=12.3, peak_gb=33.1, reserved_gb=34.0,
+             offloaded_bytes=b,
              guard=guard)
     log.close()
     log.first, log.last                  # (step, loss) of this launch's first and last good steps
@@ -75,7 +76,16 @@ class StepLog:
         )
 
     def step(
-        self, *, step: int, result, lr: float, seconds: float, peak_gb, offloaded_bytes, guard
+        self,
+        *,
+        step: int,
+        result,
+        lr: float,
+        seconds: float,
+        peak_gb,
+        reserved_gb,
+        offloaded_bytes,
+        guard,
     ):
         """Note a finished step (1-based `step`) and, on rank 0, write its record and line.
         `guard` is the run's NonFiniteGuard, already updated with this step."""
@@ -86,13 +96,13 @@ class StepLog:
         self.peak_gb = peak_gb
         if self.rank != 0:
             return
-        record = self.record(step, result, lr, seconds, peak_gb)
+        record = self.record(step, result, lr, seconds, peak_gb, reserved_gb)
         print(json.dumps(record), file=self.file, flush=True)
         self.reporter.log(record, step)
         self.bar.write(self.console_line(record, offloaded_bytes))
         self.bar.update(1)
 
-    def record(self, step: int, result, lr: float, seconds: float, peak_gb) -> dict:
+    def record(self, step: int, result, lr: float, seconds: float, peak_gb, reserved_gb) -> dict:
         tokens_per_s = result.tokens / seconds
         mfu = None
         if self.peak_tflops:
@@ -107,6 +117,7 @@ class StepLog:
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_gpu": tokens_per_s / self.world,
             "peak_mem_gb": peak_gb,
+            "reserved_mem_gb": reserved_gb,
             "planned_peak_gb": self.planned_peak_gb,
             "mfu": mfu,
             "skipped": result.skipped,

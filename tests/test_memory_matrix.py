@@ -155,9 +155,7 @@ def _steps(rank, world, specs):
         pool = apply_offload(
             model, offload=offload, min_bytes=0, tile_mlp=tile or None, save_attention=save
         )
-        opt = train.make_optimizer(
-            train.TrainConfig(cpu_offload=cpu_off), model, torch.device("cpu")
-        )
+        opt = train.make_optimizer(train.TrainConfig(cpu_offload=cpu_off), model)
         g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
         batch = shard_row(
             torch.randint(0, cfg.vocab_size, (seq_len + 1,), generator=g),
