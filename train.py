@@ -43,7 +43,7 @@ from memory.plan import format_plan, plan_for_run, step_flops
 from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_backend
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
-from model.offload import apply_offload
+from model.checkpoint_offload import apply_offload
 from model.parallel import build_mesh, build_sharded_model
 from model.ulysses import UlyssesAttention
 from run.checkpoint import (
@@ -535,7 +535,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         )
         + (f" ({planned.save_attention_why})" if planned.save_attention_why else "")
     )
-    offload = apply_offload(
+    pool = apply_offload(
         model,
         offload=cfg.offload,
         min_bytes=cfg.offload_min_bytes,
@@ -555,7 +555,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             else []
         )
         r = [
-            offload.reserve(L, shape, dt, device, progress=rank == 0 and sys.stderr.isatty())
+            pool.reserve(L, shape, dt, device, progress=rank == 0 and sys.stderr.isatty())
             for shape, dt in parts
         ]
         log0(
@@ -635,7 +635,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         meter = (
             StepMeter(
-                device, model=model, optimizer=optimizer, host=offload, host_state=cfg.cpu_offload
+                device, model=model, optimizer=optimizer, host=pool, host_state=cfg.cpu_offload
             ).start()
             if measure
             else None
@@ -691,7 +691,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         peak_gb = meter.stop_all_ranks() / 1e9 if meter else None  # the largest rank's peak
-        moved = offload.reset_step()  # this step's offload counters
+        moved = pool.reset_step()  # this step's offload counters
 
         # ---- log
         # A skipped step's NaN/inf is written as null: strict JSON readers (jq, JavaScript) have no NaN.
