@@ -49,9 +49,7 @@ def host_tensors(obj) -> list[torch.Tensor]:
         return [obj]
     if isinstance(obj, (list, tuple)):
         return [t for o in obj for t in host_tensors(o)]
-    if hasattr(
-        obj, "host_buffers"
-    ):  # model/host_pool.py's HostPool: its blocks, all free after a step
+    if hasattr(obj, "host_buffers"):  # model/host_pool.py's HostPool: all blocks free after a step
         return list(obj.host_buffers())
     raise TypeError(f"host: expected tensors or a HostPool, got {type(obj).__name__}")
 
@@ -193,7 +191,7 @@ class StepMeter:
         return self
 
     def _model_state(self) -> list[torch.Tensor]:
-        """Parameters, gradients and optimizer states: what FSDP2's CPU offload keeps on the host."""
+        """Parameters, gradients and optimizer states: what FSDP2's CPU offload puts on the host."""
         out = []
         if self.model is not None:
             for p in self.model.parameters():

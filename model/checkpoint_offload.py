@@ -17,7 +17,7 @@ Non-reentrant checkpoint saves only its inputs through the saved-tensor hooks ar
 already keeps nothing of a layer but its inputs, on the host. What each addition here buys:
   * only the layer input moves: the pool (model/host_pool.py) copies just the tensors that need
     grad (the hidden state), so the RoPE tables every layer shares stay on the device once
-    instead of 36 host copies a step, and parameters and DTensors never move.
+    instead of being copied for every layer, and parameters and DTensors never move.
   * pinned reusable blocks instead of per-step pinning: save_on_cpu pins a fresh buffer per
     tensor per step, which torch's host allocator rounds up to a power of two (a 3 GiB input pins
     4); the pool pins its blocks once, before step 1, at most 1.6% over the inputs.

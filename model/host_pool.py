@@ -8,9 +8,11 @@
     loss.backward()                      # each tensor comes back; the next one needed, ahead
     log(pool.reset_step())               # PoolStats: bytes each way, blocks, pinned bytes
 
-`pool.pack` and `pool.unpack` are the pair for torch.autograd.graph.saved_tensors_hooks; inside
-`pool.layer()` they are installed for you and everything one call packs is kept together in the
-pool's backward order (below). model/checkpoint_offload.py wraps decoder layers with it.
+`pool.pack` and `pool.unpack` are saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks).
+`pool.layer()` installs them around one layer call, keeps what the call packs together in the
+pool's backward order (below), and at its end lets go of the device tensors whose copies it
+started (a tensor packed outside a layer() scope is held until the next scope ends, or close()).
+model/checkpoint_offload.py wraps decoder layers with it.
 
 What moves (pack, in forward): a plain tensor that needs grad, is not empty and has >= min_bytes
 (a layer's hidden state) is copied into host blocks; everything else is kept by reference. Shared

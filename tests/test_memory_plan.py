@@ -439,8 +439,8 @@ def test_save_attention_flops_are_one_attention_forward_less():
 
 def test_save_attention_host_bytes_are_the_pools():
     """Host memory per GPU: L-1 layers' input, out [T, nh/sp, hd] and fp32 lse [nh/sp, T], each
-    laid out in the pool's blocks (model/host_pool.py host_bytes_for, rounded per tensor); the last layer's
-    three stay on the device and show up in the loss phase."""
+    laid out in the pool's blocks (model/host_pool.py host_bytes_for, rounded per tensor); the last
+    layer's three stay on the device and show up in the loss phase."""
     from model.attention import saved_attention_bytes
     from model.host_pool import host_bytes_for
 

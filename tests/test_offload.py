@@ -1,6 +1,7 @@
-"""Checkpoint with offload (model/checkpoint_offload.py, model/host_pool.py, model/tiled_mlp.py): the same numbers as no wrapper, bytes where they belong.
+"""Checkpoint with offload: the same numbers as no wrapper, bytes where they belong.
 
-On CPU the whole mechanism runs (host blocks, piecewise copies, prefetch chain, counters, the
+model/checkpoint_offload.py's wrapper, model/host_pool.py's pool, model/tiled_mlp.py's MLP.
+On CPU the whole mechanism runs (host blocks, piecewise copies, backward order, counters, the
 bytes a GPU run would pin); FSDP2 runs on 2 gloo processes against one unsharded process. Tests
 that take a `device` also run on CUDA when there is one, where they check what only a GPU shows:
 device memory after forward, pinned blocks reused from step 1.
