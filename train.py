@@ -50,9 +50,9 @@ from memory.meter import StepMeter
 from memory.plan import format_plan, plan_for_run, step_flops
 from memory.snapshot import cuda_memory_history
 from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_backend
+from model.checkpoint_offload import apply_offload
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
-from model.offload import apply_offload
 from model.parallel import build_mesh, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention
 from run.checkpoint import DiskSpaceError, find_checkpoint, load_checkpoint, save_checkpoint

@@ -9,7 +9,7 @@
 
 With sp=8 a 1,048,576-token Qwen3-8B row gives every rank every token inside attention, for
 32/8 = 4 query heads and 8/8 = 1 kv head: q [1, T, 4, 128], k and v [1, T, 1, 128]. This runs
-model.qwen3.sdpa_attention on those shapes (model.attention.attention: causal, kv heads shared,
+model.qwen3.causal_attention on those shapes (model.attention.attention: causal, kv heads shared,
 never expanded), which is what UlyssesAttention runs between its all-to-alls: forward, then
 backward from a random output gradient. With attention once a training step runs exactly this
 per layer: one forward, one backward (the recompute replays the forward's output).
@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memory.plan import load_config, step_flops
 from model.attention import get_backend, pick_backend, set_backend
 from model.config import Qwen3Config
-from model.qwen3 import sdpa_attention
+from model.qwen3 import causal_attention
 from model.ulysses import check_heads
 
 GB, GiB, MiB = 1e9, 2**30, 2**20
@@ -209,11 +209,11 @@ def _inputs(T, hq, hkv, hd, dtype, dev, seed):
 
 
 def _fwd_bwd(q, k, v, dout, dev) -> tuple[float, float]:
-    """One forward and backward of sdpa_attention on the pinned backend; (forward s, backward s)."""
+    """One forward and backward of causal_attention on the pinned backend: (fwd s, bwd s)."""
     q.grad = k.grad = v.grad = None  # no accumulation into last run's gradients
     _sync(dev)
     t0 = time.perf_counter()
-    out = sdpa_attention(q, k, v)
+    out = causal_attention(q, k, v)
     _sync(dev)
     t1 = time.perf_counter()
     out.backward(dout)
@@ -428,7 +428,7 @@ def compare_backends(
             set_backend(name)
             q.grad = k.grad = v.grad = None
             with _OpRecorder() as rec:
-                o = sdpa_attention(q, k, v)
+                o = causal_attention(q, k, v)
                 o.backward(dout)
             _sync(dev)
             got[name] = {"out": o.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}

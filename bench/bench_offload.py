@@ -11,8 +11,8 @@ One forward and backward through `layers` Qwen3-8B-shaped decoder layers (hidden
 8 kv heads, head_dim 128, intermediate 12288), four ways:
   none         no checkpointing: every activation of every layer stays on the GPU
   ckpt         torch.utils.checkpoint per layer (non-reentrant): layer inputs stay on the GPU
-  offload      model/offload.py: checkpointing, layer inputs in pinned host memory, copies on
-               side streams overlapped with compute, prefetched one layer ahead in backward
+  offload      model/checkpoint_offload.py: checkpointing, layer inputs in pinned host memory,
+               copies on side streams overlapped with compute, prefetched one layer ahead
   save_on_cpu  checkpointing under torch.autograd.graph.save_on_cpu(pin_memory=True), what the
                public recipe uses: copies on the compute stream (cos/sin copied for every layer too)
 plus offload_tiled (offload with the tiled MLP) when --tile-mlp is given. The stack's input is a
@@ -38,8 +38,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from model.checkpoint_offload import apply_offload, remove_offload
 from model.config import Qwen3Config
-from model.offload import apply_offload, remove_offload
 from model.qwen3 import DecoderLayer, rope_cos_sin
 
 MODES = ("none", "ckpt", "offload", "save_on_cpu")

@@ -201,7 +201,7 @@ def run_stack(
     lse; the last layer keeps its own on the device). Forward + backward from a random gradient;
     mean step time over `steps` after `warmup`, CUDA peak memory over the parameters and inputs."""
     from bench.bench_offload import LayerStack, timed_steps
-    from model.offload import apply_offload, remove_offload
+    from model.checkpoint_offload import apply_offload, remove_offload
     from model.qwen3 import rope_cos_sin
 
     torch.manual_seed(seed)

@@ -14,7 +14,7 @@ Two things are not op outputs and are caught separately:
     `untyped_storage().resize_()`, which the meter wraps while it runs;
   * what was live before the step: the parameters, gradients and optimizer states of the model
     and optimizer passed in, plus any `baseline` tensors (the batch).
-Host memory on a GPU run is left out: the storages of `host` objects (an OffloadPool's buffers,
+Host memory on a GPU run is left out: the storages of `host` objects (a HostPool's blocks,
 or plain tensors) found at the end of the step are dropped from the whole timeline, so the peak
 is what the device would hold. With `host_state=True` (FSDP2's CPU offload, train.py --cpu-offload)
 the model's parameter shards, their gradients (taken when the optimizer steps: they are gone by
@@ -44,18 +44,14 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def host_tensors(obj) -> list[torch.Tensor]:
-    """Tensors that live in host memory on a GPU run: a tensor, an OffloadPool's buffers, or lists."""
+    """Tensors that live in host memory on a GPU run: a tensor, a HostPool's blocks, or lists."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
         return [t for o in obj for t in host_tensors(o)]
-    if hasattr(obj, "host_buffers"):  # an OffloadPool that lists its buffers
+    if hasattr(obj, "host_buffers"):  # model/host_pool.py's HostPool: all blocks free after a step
         return list(obj.host_buffers())
-    if hasattr(
-        obj, "_free"
-    ):  # model/offload.py's pool: (buffer, event) pairs by key, all free after a step
-        return [b for bufs in obj._free.values() for b, _ in bufs]
-    raise TypeError(f"host: expected tensors or an OffloadPool, got {type(obj).__name__}")
+    raise TypeError(f"host: expected tensors or a HostPool, got {type(obj).__name__}")
 
 
 def _where() -> str:
@@ -195,7 +191,7 @@ class StepMeter:
         return self
 
     def _model_state(self) -> list[torch.Tensor]:
-        """Parameters, gradients and optimizer states: what FSDP2's CPU offload keeps on the host."""
+        """Parameters, gradients and optimizer states: what FSDP2's CPU offload puts on the host."""
         out = []
         if self.model is not None:
             for p in self.model.parameters():

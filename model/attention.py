@@ -20,12 +20,13 @@ the pair that lets backward skip attention's forward. Each op takes fewer kv hea
 Attention once. Whole-layer checkpointing runs a layer's forward twice: in forward, and again in
 backward to rebuild what the layer saved. At a million tokens attention is ~96% of a layer's FLOPs,
 so the second run is ~21% of the step. An `AttentionStore` is the fix: the checkpoint wrapper
-(model/offload.py) runs the layer body through `store.run`; in the body's first run each
-attention() call keeps its (out, lse) in the store (on the host when offloading), and in any later
-run (checkpoint's recompute) it hands them back instead of running the kernel. The recompute still
-rebuilds q, k, v (norms, projections, RoPE, Ulysses' exchanges: backward needs them; a few percent
-of the layer) and everything after attention; the attention backward then gets (q, k, v, out, lse)
-exactly as if nothing had been dropped. Nothing here imports torch.distributed.
+(model/checkpoint_offload.py) runs the layer body through `store.run`; in the body's first run
+each attention() call keeps its (out, lse) in the store (on the host when offloading), and in any
+later run (checkpoint's recompute) it hands them back instead of running the kernel. The
+recompute still rebuilds q, k, v (norms, projections, RoPE, Ulysses' exchanges: backward needs
+them; a few percent of the layer) and everything after attention; the attention backward then
+gets (q, k, v, out, lse) exactly as if nothing had been dropped. Nothing here imports
+torch.distributed.
 """
 
 from __future__ import annotations

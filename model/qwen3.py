@@ -9,7 +9,8 @@ One decoder layer:  x + attn(norm(x)),  then  h + mlp(norm(h)),  where attention
 
 Two things are left replaceable from outside, so that parallelism never edits this file:
   * `Attention.attn_fn(q, k, v)`: the attention core on [B, T, heads, head_dim] tensors
-    (default: causal SDPA with grouped kv heads); sequence parallelism swaps in an all-to-all.
+    (default: causal_attention, grouped kv heads on one pinned kernel); sequence parallelism
+    swaps in an all-to-all.
   * each module's forward, as usual for wrappers such as checkpointing and FSDP2.
 """
 
@@ -153,7 +154,7 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
 
     Query heads g*r .. g*r+g-1 share kv head r (g = nh / nkv), without materialising repeated k
@@ -178,7 +179,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
-        self.attn_fn = sdpa_attention  # replaceable attention core (see module docstring)
+        self.attn_fn = causal_attention  # replaceable attention core (see module docstring)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape

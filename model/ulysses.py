@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from model.qwen3 import sdpa_attention
+from model.qwen3 import causal_attention
 
 
 def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
@@ -104,7 +104,7 @@ class UlyssesAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         nh, nkv = q.shape[2], k.shape[2]
         if self.sp == 1:
-            return sdpa_attention(q, k, v)
+            return causal_attention(q, k, v)
         check_heads(nh, nkv, self.sp)
         # sp > kv heads (e.g. sp=8, 4 kv heads): each kv head serves sp/nkv ranks, repeated
         # inside the exchange's send buffer rather than in a repeated copy of k and v first
@@ -112,5 +112,5 @@ class UlyssesAttention:
         q = _Exchange.apply(q, self.group, True)  # [B, T, nh/sp, hd]
         k = _Exchange.apply(k, self.group, True, r)  # [B, T, max(nkv/sp, 1), hd]
         v = _Exchange.apply(v, self.group, True, r)
-        out = sdpa_attention(q, k, v)  # [B, T, nh/sp, hd], causal over the whole sequence
+        out = causal_attention(q, k, v)  # [B, T, nh/sp, hd], causal over the whole sequence
         return _Exchange.apply(out, self.group, False)  # [B, T/sp, nh, hd]

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from loss.chunked_ce import chunked_cross_entropy
-from model.offload import tiled_mlp
+from model.tiled_mlp import tiled_mlp
 
 U = 2.0**-8  # bf16 machine epsilon (8 significant bits); one rounding is at most u/2 relative
 

@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.attention import MATH_MAX_TOKENS, AttentionStore, attention, pick_backend, set_backend
 from model.config import Qwen3Config
-from model.offload import apply_offload, host_block_bytes
+from model.checkpoint_offload import apply_offload
+from model.host_pool import host_block_bytes
 from model.qwen3 import Qwen3
 
 CFG = replace(Qwen3Config.preset("tiny"), num_hidden_layers=4)  # 4 query heads on 2 kv heads
@@ -295,7 +296,7 @@ def test_ten_steps_hold_no_more():
         _loss(m, _ids(step)).backward()
         opt.step()
         s = pool.reset_step()
-        seen.append((s.pool_bytes, s.pool_buffers, s.in_use_buffers, len(pool._pending)))
+        seen.append((s.pool_bytes, s.pool_buffers, s.in_use_buffers, pool.copies_in_flight()))
         assert s.host_allocs == (
             blocks if step == 0 else 0
         )  # host blocks: all in step 1, none after

@@ -137,7 +137,7 @@ def _steps(rank, world, specs):
     from data.loader import shard_row
     from loss.chunked_ce import chunked_cross_entropy
     from memory.meter import StepMeter
-    from model.offload import apply_offload
+    from model.checkpoint_offload import apply_offload
     from model.parallel import build_mesh, build_sharded_model
     from model.qwen3 import _RMSNormFn
     from model.ulysses import UlyssesAttention

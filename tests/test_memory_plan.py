@@ -439,10 +439,10 @@ def test_save_attention_flops_are_one_attention_forward_less():
 
 def test_save_attention_host_bytes_are_the_pools():
     """Host memory per GPU: L-1 layers' input, out [T, nh/sp, hd] and fp32 lse [nh/sp, T], each
-    laid out in the pool's blocks (model/offload.py host_bytes, rounded per tensor); the last layer's
-    three stay on the device and show up in the loss phase."""
+    laid out in the pool's blocks (model/host_pool.py host_bytes_for, rounded per tensor); the last
+    layer's three stay on the device and show up in the loss phase."""
     from model.attention import saved_attention_bytes
-    from model.offload import host_bytes
+    from model.host_pool import host_bytes_for
 
     for T in (T_1M, 3 * T_1M + 8 * 1024 * 5):  # powers of two, and lengths the blocks round up
         on = plan(QWEN3_8B, T, gpus=8, sp=8, save_attention=True)
@@ -454,14 +454,14 @@ def test_save_attention_host_bytes_are_the_pools():
             4 * T * 4,
         )  # [t, H], [T, 32/8, 128] bf16, [32/8, T] fp32
         assert out + lse == saved_attention_bytes(T, 32, 128, 2, sp=8)
-        assert on.saved_attention_host_per_gpu == 35 * (host_bytes(out) + host_bytes(lse))
-        assert on.saved_inputs_host_per_gpu == 35 * host_bytes(x)
+        assert on.saved_attention_host_per_gpu == 35 * (host_bytes_for(out) + host_bytes_for(lse))
+        assert on.saved_inputs_host_per_gpu == 35 * host_bytes_for(x)
         assert (
-            off.saved_inputs_host_per_gpu == 36 * host_bytes(x)
+            off.saved_inputs_host_per_gpu == 36 * host_bytes_for(x)
             and off.saved_attention_host_per_gpu == 0
         )
         assert on.host_per_node - off.host_per_node == 8 * (
-            35 * (host_bytes(out) + host_bytes(lse)) - host_bytes(x)
+            35 * (host_bytes_for(out) + host_bytes_for(lse)) - host_bytes_for(x)
         )
         assert on.offload_bytes_per_step == 2 * 35 * (x + out + lse)
         key = "last layer's input, attention out and lse (attention once, on the device)"
@@ -488,7 +488,7 @@ def test_save_attention_without_offload_stays_on_the_gpu():
 def test_pool_pins_what_the_plan_says():
     """A real Qwen3 on CPU through apply_offload(save_attention=True): the pool's pinned bytes and
     device-to-host bytes of one step are the planner's, with min_bytes keeping small tensors home."""
-    from model.offload import apply_offload
+    from model.checkpoint_offload import apply_offload
     from model.qwen3 import Qwen3
 
     cfg = replace(TINY, num_hidden_layers=3)

@@ -1,6 +1,7 @@
-"""Checkpoint with offload (model/offload.py): the same numbers as no wrapper, bytes where they belong.
+"""Checkpoint with offload: the same numbers as no wrapper, bytes where they belong.
 
-On CPU the whole mechanism runs (host blocks, piecewise copies, prefetch chain, counters, the
+model/checkpoint_offload.py's wrapper, model/host_pool.py's pool, model/tiled_mlp.py's MLP.
+On CPU the whole mechanism runs (host blocks, piecewise copies, backward order, counters, the
 bytes a GPU run would pin); FSDP2 runs on 2 gloo processes against one unsharded process. Tests
 that take a `device` also run on CUDA when there is one, where they check what only a GPU shows:
 device memory after forward, pinned blocks reused from step 1.
@@ -17,16 +18,10 @@ import torch.nn.functional as F
 from dist_utils import run_distributed
 
 from model.config import Qwen3Config
-from model.offload import (
-    OffloadPool,
-    apply_offload,
-    host_block_bytes,
-    host_bytes,
-    remove_offload,
-    set_mlp_tiling,
-    tiled_mlp,
-)
+from model.checkpoint_offload import apply_offload, offload_layers, remove_offload
+from model.host_pool import HostPool, host_block_bytes, host_bytes_for
 from model.qwen3 import MLP, DecoderLayer, Qwen3, rope_cos_sin
+from model.tiled_mlp import set_mlp_tiling, tiled_mlp
 
 CFG = replace(Qwen3Config.preset("tiny"), num_hidden_layers=3)  # 3 layers: a prefetch chain
 B, T = 2, 48
@@ -126,7 +121,7 @@ def test_ten_steps_hold_no_more_buffers():
         _loss(m, _ids(step)).backward()
         opt.step()
         s = pool.reset_step()
-        seen.append((s.pool_bytes, s.pool_buffers, s.in_use_buffers, len(pool._pending)))
+        seen.append((s.pool_bytes, s.pool_buffers, s.in_use_buffers, pool.copies_in_flight()))
         assert s.host_allocs == (CFG.num_hidden_layers * X_BLOCKS if step == 0 else 0)
         if step in (1, 9):
             gc.collect()
@@ -154,6 +149,60 @@ def test_small_and_shared_inputs_stay_put():
     with torch.no_grad():  # nothing is saved without grad
         assert torch.equal(m(ids), ref(ids))
     assert pool.reset_step().d2h_copies == 0
+
+
+def test_hidden_state_passed_by_keyword_goes_to_the_host():
+    """checkpoint saves only its positional inputs through the hooks; a layer called with the
+    hidden state by keyword still has it moved, and the gradients are those of no wrapper."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(DecoderLayer(CFG) for _ in range(CFG.num_hidden_layers))
+    ref = copy.deepcopy(layers)
+    x = torch.randn(B, T, CFG.hidden_size, requires_grad=True)
+    cos, sin = rope_cos_sin(CFG, torch.arange(T)[None], torch.float32)
+
+    def grads(stack):
+        h = x * 1.0  # a non-leaf layer-0 input
+        for layer in stack:
+            h = layer(x=h, cos=cos, sin=sin)
+        return torch.autograd.grad(h.square().sum(), [x, *stack.parameters()])
+
+    g0 = grads(ref)
+    pool = apply_offload(layers, min_bytes=0)
+    g = grads(layers)
+    assert all(torch.equal(a, b) for a, b in zip(g, g0, strict=True))
+    s = pool.reset_step()
+    L = CFG.num_hidden_layers
+    assert (s.d2h_bytes, s.h2d_bytes, s.prefetched) == (L * X_BYTES, L * X_BYTES, L - 1)
+
+
+def test_transformers_layers_offloaded_and_tiled():
+    """transformers' own Qwen3 decoder layers and MLPs (keyword arguments, a tuple of RoPE
+    tables), given as a plain list to offload_layers: the loss and gradients of the unwrapped
+    transformers model, every layer input through the pool."""
+    from hf_ref import hf_model
+
+    ref, ids = hf_model(CFG), _ids(6)
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    loss0, grads0 = step(ref)
+    m = copy.deepcopy(ref)
+    pool = HostPool(min_bytes=0)
+    offload_layers(list(m.model.layers), pool, tile_mlp=5)
+    loss, grads = step(m)
+    _same(loss, loss0, exact=False)
+    for n in grads0:
+        _same(grads[n], grads0[n], exact=False)
+    s = pool.reset_step()
+    L = CFG.num_hidden_layers
+    assert (s.d2h_bytes, s.h2d_bytes, s.prefetched) == (L * X_BYTES, L * X_BYTES, L - 1)
+    remove_offload(list(m.model.layers))
+    assert all("forward" not in layer.__dict__ for layer in m.model.layers)
+    assert all("forward" not in layer.mlp.__dict__ for layer in m.model.layers)
 
 
 def test_replaced_attention_runs_in_forward_and_recompute():
@@ -352,16 +401,16 @@ def test_host_blocks_follow_the_formula_and_waste_under_2_percent():
     for n in sizes:
         b = _block_ref(n)
         assert host_block_bytes(n) == b, n
-        assert host_bytes(n) == _blocks_ref(n) * b, n
+        assert host_bytes_for(n) == _blocks_ref(n) * b, n
         assert (
             b & (b - 1) == 0 and 512 <= b <= 64 << 20
         )  # a power of two: the pinned allocator adds nothing
-        assert n <= host_bytes(n) < n + b
-        worst = max(worst, host_bytes(n) / n)
+        assert n <= host_bytes_for(n) < n + b
+        worst = max(worst, host_bytes_for(n) / n)
     assert worst <= 1.02
     assert worst > 1.01  # the sizes do reach the worst case (just under 1 + 1/64)
-    assert host_bytes(3 * GIB) == 3 * GIB  # one buffer rounded to a power of two: 4 GiB
-    assert host_bytes(0) == 0 and host_block_bytes(1) == 512
+    assert host_bytes_for(3 * GIB) == 3 * GIB  # one buffer rounded to a power of two: 4 GiB
+    assert host_bytes_for(0) == 0 and host_block_bytes(1) == 512
     with pytest.raises(ValueError, match=">= 0"):
         host_block_bytes(-1)
 
@@ -378,9 +427,9 @@ def test_host_blocks_follow_the_formula_and_waste_under_2_percent():
 )
 def test_reserve_allocates_the_formula_in_real_buffers(count, shape, dtype):
     n = math.prod(shape) * dtype.itemsize
-    pool = OffloadPool(min_bytes=0)
+    pool = HostPool(min_bytes=0)
     r = pool.reserve(count, shape, dtype, "cpu")
-    blocks = [blk for free in pool._free.values() for blk, _ in free]
+    blocks = pool.host_buffers()
     real = sum(blk.untyped_storage().nbytes() for blk in blocks)  # what torch really holds
     assert real == count * _blocks_ref(n) * _block_ref(n) == r["pinned_bytes"]
     assert len(blocks) == count * _blocks_ref(n) == r["blocks"]
@@ -483,7 +532,7 @@ def test_reserved_pool_odd_sizes_ten_steps(device, dtype):
         )  # no growth
         assert s.pinned_bytes <= 1.02 * s.pool_bytes
         if cuda:
-            assert all(blk.is_pinned() for free in pool._free.values() for blk, _ in free)
+            assert all(blk.is_pinned() for blk in pool.host_buffers())
             x.grad = None
             layers.zero_grad(set_to_none=True)
             torch.cuda.synchronize()

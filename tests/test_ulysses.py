@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
-from model.qwen3 import sdpa_attention
+from model.qwen3 import causal_attention
 from model.ulysses import UlyssesAttention, check_heads
 
 # (query heads, kv heads) per world size: GQA split, kv repeat (sp > kv heads), plain MHA
@@ -38,7 +38,7 @@ def test_ulysses_equals_full_attention(world):
             for h in (nh, nkv, nkv)
         ]
         grad_out = torch.randn(B, T, nh, hd, generator=g, dtype=torch.float64)
-        out = sdpa_attention(*full)
+        out = causal_attention(*full)
         out.backward(grad_out)
         for local_out, local_grads, sl in results:
             torch.testing.assert_close(local_out, out.detach()[:, sl], rtol=1e-12, atol=1e-12)

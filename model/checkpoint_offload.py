@@ -1,0 +1,280 @@
+"""Checkpoint with offload: each decoder layer keeps only its input, in host memory.
+
+    pool = apply_offload(model, tile_mlp=8192)    # every model.model.layers[i], in place
+    offload_layers(hf_model.model.layers, pool)   # or any list of decoder layers, any pool
+    pool.reserve(36, (1, T, hidden), torch.bfloat16, "cuda")   # all host blocks, before step 1
+    loss.backward(); opt.step()
+    log(pool.reset_step())                        # bytes moved each way this step, pool size
+    remove_offload(model)                         # the layers' own forwards again
+
+The baseline, in three lines of torch:
+
+    with torch.autograd.graph.save_on_cpu(pin_memory=True):
+        for layer in layers:
+            x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
+
+Non-reentrant checkpoint saves only its inputs through the saved-tensor hooks around it, so this
+already keeps nothing of a layer but its inputs, on the host. What each addition here buys:
+  * only the layer input moves: the pool (model/host_pool.py) copies just the tensors that need
+    grad (the hidden state), so the RoPE tables every layer shares stay on the device once
+    instead of being copied for every layer, and parameters and DTensors never move.
+  * pinned reusable blocks instead of per-step pinning: save_on_cpu pins a fresh buffer per
+    tensor per step, which torch's host allocator rounds up to a power of two (a 3 GiB input pins
+    4); the pool pins its blocks once, before step 1, at most 1.6% over the inputs.
+  * copies on side streams, overlapped with compute: save_on_cpu copies on the compute stream,
+    so the layer waits for its own input's copy; here it runs while the layer computes.
+  * prefetch one layer ahead: save_on_cpu copies an input back when the recompute asks for it,
+    and the recompute waits; here that copy starts while the layer after it (in forward order)
+    recomputes.
+  * attention once (save_attention=True): attention's (out, lse) go to the host too, so the
+    recompute skips attention's forward (~96% of a layer's FLOPs at a million tokens).
+Why not torch's selective activation checkpointing (SAC) for attention: SAC decides per op
+whether to save or recompute, so it can save attention's outputs, but it keeps what it saves as
+device tensors in its own cache, not through saved-tensor hooks: no save_on_cpu or pool around
+it can move them, and there is no per-op offload. 35 layers' attention at 1M tokens over 8 GPUs
+(1 GiB each per GPU) would stay on the card.
+
+At 1M tokens over 8 GPUs a layer input is 131,072 x 4096 x 2 B = 1 GiB per GPU, 36 GiB for the
+model: the largest thing on the card. Why not a custom autograd.Function (reentrant style): that
+would run a nested backward per layer and hide the parameters from the outer graph. Here the
+gradients flow through the layer's original forward graph into the same parameters (FSDP2's
+unsharded ones), so FSDP2's pre-backward all-gather and post-backward reduce-scatter work exactly
+as without us.
+
+Any decoder layer works: a module whose forward takes tensors and keyword arguments (ours, or
+transformers' Qwen3DecoderLayer with its attention_mask=..., position_embeddings=...). Tensor
+keyword arguments are handed to checkpoint positionally, since it saves only positional inputs
+through the hooks (a hidden state passed by keyword would otherwise stay on the device).
+Attention once needs the layer's attention to call model.attention.attention (ours does); other
+layers keep nothing in the store and recompute attention as plain checkpointing does. tile_mlp
+needs a SwiGLU `mlp` submodule with gate_proj, up_proj and down_proj (model/tiled_mlp.py).
+
+The wrapper replaces the layer *instance's* `forward` (nothing is inserted into the module tree,
+so state_dict keys are unchanged). FSDP2 hooks live on `__call__`, so they run around it whether
+fully_shard came before or after apply_offload; the recompute calls the plain body inside
+backward, after FSDP2's pre-backward hook has gathered the parameters again. A replaced
+`self_attn.attn_fn` runs in forward and recompute like any other code in the body.
+
+Attention once: each layer call runs its body through a fresh model.attention.AttentionStore,
+whose attention() calls keep (out, lse) in the forward, as host copies from the pool, and hand
+them back in the recompute instead of running the kernel again. The pool's backward order puts
+them after the layer's input, so each one's copy back starts when the one before is unpacked.
+The last layer keeps its input and attention on the device (backward starts with it, so a copy
+there would stall), and its recompute starts the copy back of the layer before it.
+
+Device memory in backward: the recomputed layer's activations, its input, and the next input
+being prefetched (one layer input more than plain checkpointing holds at that moment, and none of
+the other layers' inputs).
+
+Not covered: torch.compile of wrapped layers, CUDA graphs, layers that draw random numbers
+(pass preserve_rng_state=True). With a frozen embedding, layer 0's input needs no grad and so
+stays on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.attention import AttentionStore
+from model.host_pool import DEFAULT_MIN_BYTES, HostPool
+from model.tiled_mlp import set_mlp_tiling
+
+__all__ = ["apply_offload", "offload_layer", "offload_layers", "remove_offload"]
+
+
+def _checkpoint(body, args: tuple, kwargs: dict, preserve_rng_state: bool):
+    """checkpoint(body, *args, **kwargs), with tensor keyword arguments passed positionally:
+    checkpoint saves its positional inputs through the pool's hooks and holds keyword ones by
+    reference."""
+    keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    rest = {k: v for k, v in kwargs.items() if k not in keys}
+    n = len(args)
+
+    def run(*inputs):
+        return body(*inputs[:n], **rest, **dict(zip(keys, inputs[n:], strict=True)))
+
+    inputs = (*args, *(kwargs[k] for k in keys))
+    return checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+
+
+def _keep_on_host(pool: HostPool, t: torch.Tensor):
+    """Attention's out or lse into the pool, like a layer input (copied on the side stream on CUDA).
+    The pool moves only tensors that need grad (so that the shared RoPE tables stay put), and
+    these come out of a kernel with none: hand it an alias that says it does."""
+    alias = t.detach().requires_grad_(t.is_floating_point())
+    h = pool.pack(alias)
+    return t if h is alias else h  # below min_bytes: kept here, as it was
+
+
+class _OffloadedForward:
+    """Installed as `layer.forward`: checkpoint the original forward, offloading its inputs.
+
+    save_attention: the body runs through an AttentionStore (model/attention.py), so attention's
+    (out, lse) are kept from the forward (on the host, through the pool, when offloading) and the
+    recompute skips attention's forward. last: the last layer keeps everything on the device
+    (backward starts with it, so a copy there would stall), and its recompute starts the copy
+    back of the layer before it.
+    """
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        pool: HostPool | None,
+        preserve_rng_state: bool,
+        save_attention: bool = False,
+        last: bool = False,
+    ):
+        self.own = layer.__dict__.get("forward")  # an instance forward we wrap, to restore later
+        self.body = self.own or types.MethodType(type(layer).forward, layer)
+        self.pool, self.preserve_rng_state = pool, preserve_rng_state
+        self.save_attention, self.last = save_attention, last
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.body(*args, **kwargs)  # nothing is saved without grad
+        pool, body = self.pool, self.body
+        if self.save_attention:
+            store = AttentionStore()
+            if pool is not None and self.last:  # inputs and attention stay here
+                store.on_replay = pool.prefetcher()  # the layer before's input, when recomputed
+                pool = None
+            elif pool is not None:
+                store.keep, store.fetch = functools.partial(_keep_on_host, pool), pool.unpack
+            body = functools.partial(store.run, body)
+        if pool is None:
+            return _checkpoint(body, args, kwargs, self.preserve_rng_state)
+        with pool.layer() as moved:
+            out = _checkpoint(body, args, kwargs, self.preserve_rng_state)
+        expected = sum(pool.should_move(a) for a in (*args, *kwargs.values()))
+        if len(moved) < expected:
+            raise RuntimeError(
+                "offload: torch.utils.checkpoint did not save the layer inputs through the outer "
+                "saved-tensor hooks, so nothing was offloaded; this torch version "
+                f"({torch.__version__}) is not supported by model/checkpoint_offload.py"
+            )
+        return out
+
+
+def _restore(module: nn.Module, own) -> None:
+    if own is None:
+        del module.forward  # back to the class's forward
+    else:
+        module.forward = own
+
+
+def offload_layer(
+    layer: nn.Module,
+    pool: HostPool | None,
+    *,
+    tile_mlp: int | None = None,
+    preserve_rng_state: bool = False,
+    save_attention: bool = False,
+    last: bool = False,
+) -> None:
+    """Checkpoint `layer` (in place), offloading its inputs to `pool`; pool=None: plain checkpoint.
+
+    preserve_rng_state=False: Qwen3 layers draw no random numbers, so replaying the RNG is waste.
+    save_attention, last: see _OffloadedForward.
+    """
+    if isinstance(layer.__dict__.get("forward"), _OffloadedForward):
+        raise RuntimeError(
+            f"{type(layer).__name__} is already wrapped by offload_layer; call remove_offload first"
+        )
+    if tile_mlp is not None:
+        if not isinstance(getattr(layer, "mlp", None), nn.Module):
+            raise TypeError(
+                f"tile_mlp needs a layer with an `mlp` submodule; {type(layer).__name__} has none"
+            )
+        set_mlp_tiling(layer.mlp, tile_mlp)
+    layer.forward = _OffloadedForward(layer, pool, preserve_rng_state, save_attention, last)
+
+
+def offload_layers(
+    layers,
+    pool: HostPool | None,
+    *,
+    tile_mlp: int | None = None,
+    preserve_rng_state: bool = False,
+    save_attention: bool = False,
+) -> None:
+    """Checkpoint each of `layers` (any sequence of decoder layers, in forward order) in place,
+    offloading their inputs to `pool` (None: plain checkpointing). save_attention: also keep each
+    layer's attention (out, lse), on the host but for the last layer's (see _OffloadedForward)."""
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        offload_layer(
+            layer,
+            pool,
+            tile_mlp=tile_mlp,
+            preserve_rng_state=preserve_rng_state,
+            save_attention=save_attention,
+            last=save_attention and i == len(layers) - 1,
+        )
+
+
+def _find_layers(model):
+    """model.model.layers (ours, transformers'), model.layers, or the layers themselves."""
+    for path in ("model.layers", "layers"):
+        obj = model
+        for name in path.split("."):
+            obj = getattr(obj, name, None)
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    if isinstance(model, (nn.ModuleList, list, tuple)):
+        return model
+    raise TypeError(
+        f"apply_offload: {type(model).__name__} has no `model.layers` or `layers` "
+        f"ModuleList (pass a Qwen3, a module holding `layers`, or the layers)"
+    )
+
+
+def apply_offload(
+    model,
+    *,
+    offload: bool = True,
+    min_bytes: int | None = None,
+    tile_mlp: int | None = None,
+    pool: HostPool | None = None,
+    preserve_rng_state: bool = False,
+    save_attention: bool = False,
+) -> HostPool:
+    """Checkpoint every decoder layer of `model` in place, keeping only its input, on the host.
+
+    model: a Qwen3 (or transformers model) with `model.layers`, a module holding `layers`, or
+        the layers themselves.
+    offload=False: plain checkpointing (inputs stay on the device; the pool counts nothing).
+    min_bytes: smaller inputs stay where they are (default 1 MiB; sets it on a given pool).
+    tile_mlp: run each MLP in tiles of this many tokens. Returns the pool, for its counters.
+    save_attention: also keep each layer's attention output and log-sum-exp (on the host when
+        offloading), so backward does not run attention's forward again; the last layer then
+        keeps its input and attention on the device (see _OffloadedForward).
+    Works before or after FSDP2's fully_shard on the same layers; undo with remove_offload.
+    """
+    if pool is None:
+        pool = HostPool(DEFAULT_MIN_BYTES if min_bytes is None else min_bytes)
+    elif min_bytes is not None:
+        pool.min_bytes = int(min_bytes)
+    offload_layers(
+        _find_layers(model),
+        pool if offload else None,
+        tile_mlp=tile_mlp,
+        preserve_rng_state=preserve_rng_state,
+        save_attention=save_attention,
+    )
+    return pool
+
+
+def remove_offload(model) -> None:
+    """Undo apply_offload (or offload_layers): the layers' (and MLPs') own forwards again."""
+    for layer in _find_layers(model):
+        wrapper = layer.__dict__.get("forward")
+        if isinstance(wrapper, _OffloadedForward):
+            _restore(layer, wrapper.own)
+        mlp = getattr(layer, "mlp", None)
+        if mlp is not None:
+            set_mlp_tiling(mlp, None)
