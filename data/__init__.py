@@ -1,7 +1,9 @@
 """Token data for million-token training: sources -> tokens -> fixed-length rows -> per-rank shards.
 
     from data import build_rows, RowLoader
-    rows = build_rows("pg19", "/models/Qwen3-8B", seq_len=1_048_576, num_rows=100, cache_dir="cache")
+    rows = build_rows(
+        "pg19", "/models/Qwen3-8B", seq_len=1_048_576, num_rows=100, cache_dir="cache"
+    )
     for batch in RowLoader(rows, dp_rank, dp_size, sp_rank, sp_size):
         ...   # batch["input_ids"], ["labels"], ["position_ids"]: [1, seq_len / sp_size]
 

@@ -1,11 +1,11 @@
 """The on-disk token cache: a uint32 .npy array of rows plus a JSON file saying what made it.
 
-    entry = CacheEntry(cache_dir, "pg19", key)       # key: source, tokenizer fingerprint, seq_len, ...
-    with entry.locked():                             # one process builds, the others wait here
-        tokens = entry.load(num_rows)                # None if missing, truncated or mismatched
+    entry = CacheEntry(cache_dir, "pg19", key)  # key: source, tokenizer fingerprint, seq_len, ...
+    with entry.locked():                        # one process builds, the others wait here
+        tokens = entry.load(num_rows)           # None if missing, truncated or mismatched
         if tokens is None:
             with entry.writer((num_rows, seq_len + 1), info) as out:
-                ...                                  # fill `out`, a memmap of a temporary file
+                ...                             # fill `out`, a memmap of a temporary file
             tokens = entry.load(num_rows)
 
 The file name carries a hash of the key, so caches for different tokenizers or lengths live side
@@ -87,7 +87,7 @@ class CacheEntry:
             return None
 
     def load(self, num_rows: int, verify: bool = False) -> np.ndarray | None:
-        """The first num_rows rows, memory-mapped read-only; None (and why, in the log) if unusable."""
+        """The first num_rows rows as a read-only memmap; None (and why, in the log) if unusable."""
         problem = self._check(num_rows, verify)
         if isinstance(problem, str):
             if os.path.exists(self.json) or os.path.exists(self.npy):
@@ -109,7 +109,10 @@ class CacheEntry:
         except (OSError, ValueError) as e:  # missing, or shorter than its header says
             return f"the .npy cannot be mapped ({e})"
         if tokens.dtype != DTYPE or list(tokens.shape) != meta.get("shape"):
-            return f"the .npy is {tokens.dtype} {list(tokens.shape)}, the JSON says {meta.get('shape')}"
+            return (
+                f"the .npy is {tokens.dtype} {list(tokens.shape)}, "
+                f"the JSON says {meta.get('shape')}"
+            )
         if os.path.getsize(self.npy) != tokens.offset + tokens.nbytes:
             return "the .npy has the wrong byte count"
         if verify and sha256_of(tokens) != meta.get("sha256"):

@@ -90,8 +90,9 @@ def eos_id(tok: Any, eos_token: str | None = None) -> int:
     name = eos_token if eos_token is not None else tok.eos_token
     if name is None:
         raise ValueError(
-            f"tokenizer {getattr(tok, 'name_or_path', tok)!r} has no eos_token to put between books; "
-            f"set eos_token in its tokenizer_config.json or pass eos_token='<|endoftext|>' (Qwen3)"
+            f"tokenizer {getattr(tok, 'name_or_path', tok)!r} has no eos_token to put between "
+            f"books; set eos_token in its tokenizer_config.json or pass "
+            f"eos_token='<|endoftext|>' (Qwen3)"
         )
     ids = tok.convert_tokens_to_ids([name])
     if not ids or ids[0] is None or ids[0] == tok.unk_token_id:

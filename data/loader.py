@@ -39,9 +39,10 @@ def shard_row(
     pad_id: int = 0,
     predictable: Any = None,
 ) -> dict[str, torch.Tensor]:
-    """sp rank `sp_rank`'s share of one row of T + 1 tokens: input_ids, labels, position_ids [1, ceil(T/sp)].
+    """sp rank `sp_rank`'s share of one row of T + 1 tokens.
 
-    `predictable` (bool [T], over the labels) adds a "predictable" mask sharded the same way.
+    input_ids, labels and position_ids, each [1, ceil(T/sp)]; `predictable` (bool [T], over the
+    labels) adds a "predictable" mask sharded the same way.
     """
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")

@@ -1,6 +1,8 @@
 """build_rows: any source -> num_rows rows of exactly seq_len + 1 token ids, cached on disk.
 
-    rows = build_rows("pg19", "/models/Qwen3-8B", seq_len=1_048_576, num_rows=100, cache_dir="cache")
+    rows = build_rows(
+        "pg19", "/models/Qwen3-8B", seq_len=1_048_576, num_rows=100, cache_dir="cache"
+    )
     rows[0]            # uint32 [seq_len + 1], a slice of a read-only memmap
     rows.built         # True if this call tokenised; False if it mapped an existing cache
 
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 
 
 class Rows:
-    """Rows of token ids: rows[i] is row i, a 1-D array of seq_len + 1 ids; `tokens` is the 2-D array."""
+    """Rows of token ids: rows[i] is a 1-D array of seq_len + 1 ids; `tokens` is the 2-D array."""
 
     def __init__(
         self,
@@ -226,8 +228,8 @@ def _token_file_rows(path: str, seq_len: int, num_rows: int, vocab_size: int | N
         lo, hi = int(used.min()), int(used.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(
-                f"tokens:{path} holds token id {lo if lo < 0 else hi}, outside the model's vocabulary "
-                f"[0, {vocab_size:,}); re-tokenise it with the model's tokenizer"
+                f"tokens:{path} holds token id {lo if lo < 0 else hi}, outside the model's "
+                f"vocabulary [0, {vocab_size:,}); re-tokenise it with the model's tokenizer"
             )
     meta = {"source": f"tokens:{os.path.abspath(path)}", "seq_len": seq_len, "num_rows": num_rows}
     return Rows(rows[:num_rows], meta=meta, path=path, built=False)

@@ -1,10 +1,10 @@
 """Where books come from: a source string becomes an iterator over document texts in seeded order.
 
-    "pg19"                  PG-19 streamed from the Hugging Face hub (PG19_HUB_ID, parquet, train split)
+    "pg19"                  PG-19 streamed from the HF hub (PG19_HUB_ID, parquet, train split)
     "pg19:validation"       another split of it
     "hf:owner/name[:split]" any hub dataset with a text column, streamed the same way
-    "/data/books/"          a directory of .txt files (one book per file), or of .jsonl / .parquet files
-    "/data/books.jsonl"     one JSON object per line with a "text" field (or .parquet with a "text" column)
+    "/data/books/"          a directory of .txt files (one book each), or of .jsonl / .parquet files
+    "/data/books.jsonl"     JSON lines, each with a "text" field (or .parquet with a "text" column)
     "/data/pg19/train-*.parquet"   a glob of such files
 
 Local files are read through `datasets` (converted once to Arrow under the given cache directory)

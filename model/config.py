@@ -102,9 +102,7 @@ class Qwen3Config:
             )
         return PRESETS[name]
 
-    def with_yarn(
-        self, factor: float, original_max_position_embeddings: int, **kw
-    ) -> Qwen3Config:
+    def with_yarn(self, factor: float, original_max_position_embeddings: int, **kw) -> Qwen3Config:
         """The same model with YaRN RoPE scaling; max positions become factor x original."""
         if not (1 <= factor < math.inf) or int(original_max_position_embeddings) < 1:
             raise ConfigError(
@@ -145,7 +143,8 @@ class Qwen3Config:
                 ) from None
             if not isinstance(d, dict):
                 raise ConfigError(
-                    f"{p} holds a JSON {type(d).__name__}, not an object; restore the model's config.json"
+                    f"{p} holds a JSON {type(d).__name__}, not an object; "
+                    f"restore the model's config.json"
                 )
         _refuse_unsupported(d, where)
         try:
@@ -261,11 +260,13 @@ def _refuse_unsupported(d: dict[str, Any], where: str) -> None:
     if model_type not in (None, "qwen3") or any(a != "Qwen3ForCausalLM" for a in archs):
         raise ConfigError(
             f"{where}: model_type={model_type!r}, architectures={archs} is not a dense Qwen3 "
-            f"(model_type 'qwen3', Qwen3ForCausalLM); this trainer runs dense Qwen3 only, such as Qwen/Qwen3-8B"
+            f"(model_type 'qwen3', Qwen3ForCausalLM); this trainer runs dense Qwen3 only, "
+            f"such as Qwen/Qwen3-8B"
         )
     if d.get("num_experts") or d.get("num_local_experts"):
         raise ConfigError(
-            f"{where}: mixture-of-experts configs are not supported; use a dense Qwen3 such as Qwen/Qwen3-8B"
+            f"{where}: mixture-of-experts configs are not supported; "
+            f"use a dense Qwen3 such as Qwen/Qwen3-8B"
         )
     if d.get("use_sliding_window"):
         raise ConfigError(

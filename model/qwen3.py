@@ -1,4 +1,4 @@
-"""Qwen3 (dense) in plain PyTorch: one file, no framework, nothing distributed (see model/parallel.py).
+"""Dense Qwen3 in plain PyTorch: one file, no framework, not distributed (see model/parallel.py).
 
 The module tree mirrors Hugging Face's Qwen3ForCausalLM, so `state_dict()` keys are exactly the
 checkpoint keys (`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, ...,
@@ -113,7 +113,8 @@ class _RMSNormFn(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         x2 = x.reshape(-1, x.shape[-1])  # [N, dim]
         step = max(1, _RMSNormFn.CHUNK_ELEMS // x2.shape[1])
-        # Returned as allocated, not as a view: FSDP2 warns about (and its hooks can miss) view outputs.
+        # Returned as allocated, not as a view: FSDP2 warns about view outputs, and its hooks can
+        # miss them.
         out = torch.empty(x.shape, dtype=torch.result_type(weight, x), device=x.device)
         out2 = out.view(x2.shape)  # [N, dim], the chunks are written through it
         rstd = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)  # [N, 1]
@@ -259,7 +260,7 @@ class Qwen3(nn.Module):
     def logits(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Full logits [B, T, vocab]: for tests and short inputs only (training uses the chunked loss)."""
+        """Full logits [B, T, vocab], for tests and short inputs; training uses the chunked loss."""
         return F.linear(self(input_ids, position_ids), self.lm_head.weight)
 
     def set_attention(self, attn_fn) -> None:

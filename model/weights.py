@@ -216,7 +216,7 @@ def save_safetensors(
     written, weight_map, total = [], {}, 0
     bar = _progress(len(params), progress and rank == 0, "saving weights")
     with torch.no_grad():
-        for fname, shard in zip(names, shards):
+        for fname, shard in zip(names, shards, strict=True):
             tensors = {}
             for name in shard:
                 t = params[name]

@@ -1,9 +1,9 @@
-"""Resumable checkpoints (torch.distributed.checkpoint): complete or absent, checked before use, rotated.
+"""Resumable torch.distributed.checkpoint saves: complete or absent, checked before use, rotated.
 
     path = save_checkpoint(out, step, model, optimizer, loader, rank, keep=2)
-    path, skipped = find_checkpoint(out)               # newest complete one; [(name, why), ...] passed over
+    path, skipped = find_checkpoint(out)  # newest complete one; [(name, why), ...] passed over
     step = load_checkpoint(path, model, optimizer, loader, rank)
-    trim_metrics(metrics_path, step)                   # records after the resumed step go
+    trim_metrics(metrics_path, step)      # records after the resumed step go
 
 Layout: OUT/checkpoints/step_000040/ holds DCP's .metadata and __*.distcp shards (model and AdamW
 state, every rank's piece) plus extra_rankNNNNN.pt (step, data position, RNG). It is written as
@@ -90,8 +90,8 @@ def save_checkpoint(out: str, step: int, model, optimizer, loader, rank: int, ke
         raise DiskSpaceError(
             f"not enough disk for checkpoint {os.path.basename(final)} under {root}: it needs "
             f"{need_b / 1e9:.2f} GB, {free.item() / 1e9:.2f} GB are free; nothing was written and "
-            f"the last checkpoint ({last}) is intact. Free some space (or lower --keep-checkpoints) "
-            f"and continue with --resume auto"
+            f"the last checkpoint ({last}) is intact. Free some space "
+            f"(or lower --keep-checkpoints) and continue with --resume auto"
         )
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -146,7 +146,10 @@ def problem(path: str) -> str | None:
     try:
         meta = FileSystemReader(path).read_metadata()
     except Exception as e:  # missing or unreadable .metadata
-        return f"its .metadata does not read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        return (
+            f"its .metadata does not read "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        )
     ends: dict[str, int] = {}
     for info in (meta.storage_data or {}).values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -168,7 +171,7 @@ def problem(path: str) -> str | None:
 
 
 def find_checkpoint(out: str) -> tuple[str | None, list[tuple[str, str]]]:
-    """The newest loadable checkpoint in OUT/checkpoints (None: start afresh) and the ones skipped."""
+    """The newest loadable checkpoint in OUT/checkpoints (None: start afresh), and those skipped."""
     skipped = []
     for _, path in reversed(checkpoints(out)):
         why = problem(path)
@@ -179,7 +182,7 @@ def find_checkpoint(out: str) -> tuple[str | None, list[tuple[str, str]]]:
 
 
 def load_checkpoint(path: str, model, optimizer, loader, rank: int) -> int:
-    """Model, optimizer, data position and RNG from `path`; returns the step it was written after."""
+    """Model, optimizer, data position and RNG from `path`; returns the step it was saved after."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 

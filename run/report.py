@@ -1,9 +1,9 @@
-"""Live metrics: each step's record, the same one metrics.jsonl gets, sent to TensorBoard and/or W&B.
+"""Live metrics: each step's record, the same as in metrics.jsonl, sent to TensorBoard and/or W&B.
 
-    kinds = parse_report_to(cfg.report_to)      # "none" | "tensorboard" | "wandb" | "tensorboard,wandb"
-    check_available(kinds)                      # every rank, before any weights are read
-    reporter = Reporter(kinds, cfg.out, run_name, config, first_step=start + 1)   # rank 0 only
-    reporter.log(record, step)                  # every numeric field but "step"; None values skipped
+    kinds = parse_report_to(cfg.report_to)  # "none" | "tensorboard" | "wandb" | "tensorboard,wandb"
+    check_available(kinds)                  # every rank, before any weights are read
+    reporter = Reporter(kinds, cfg.out, run_name, config, first_step=start + 1)  # rank 0 only
+    reporter.log(record, step)              # every numeric field but "step"; None values skipped
     reporter.close()
 
 TensorBoard: event files in OUT/tensorboard (`tensorboard --logdir OUT/tensorboard`). A resumed
@@ -80,7 +80,7 @@ def _import(kind: str):
 
 
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """The record's numeric fields except the step itself; None, booleans and non-finite values are left out."""
+    """The record's numeric fields but the step; None, booleans and non-finite values left out."""
     return {
         k: float(v)
         for k, v in record.items()

@@ -3,7 +3,7 @@
     lock = RunLock(out)                 # raises RunDirError naming the holder if another run has it
     lock.acquire()                      # held until this process exits (or lock.release())
     refuse_reuse(out, resuming=False)   # a fresh run into a directory with a run in it: refused
-    old = move_aside(out)               # --overwrite: OUT -> OUT.old-20261201-021500, nothing deleted
+    old = move_aside(out)               # --overwrite: renames OUT to OUT.old-20261201-021500
 
 The lock is fcntl.flock on OUT/.lock. The kernel drops it when the process dies, however it dies,
 so a crashed run never leaves a stale lock behind. The file holds the holder's pid, host and start
@@ -94,8 +94,8 @@ def refuse_reuse(out: str, *, resuming: bool, overwrite: bool, metrics_file: str
     found = previous_run(out, metrics_file)
     if found:
         raise RunDirError(
-            f"--out {out} already holds a run ({', '.join(found)}); continue it with --resume auto, "
-            f"or pass a new --out (or --overwrite to move the old run aside)"
+            f"--out {out} already holds a run ({', '.join(found)}); continue it with "
+            f"--resume auto, or pass a new --out (or --overwrite to move the old run aside)"
         )
 
 
@@ -108,7 +108,8 @@ def check_out_writable(out: str) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
         raise RunDirError(
-            f"--out {out}: {probe} is a file, so the directory cannot be created; pass another --out"
+            f"--out {out}: {probe} is a file, so the directory cannot be created; "
+            f"pass another --out"
         )
     if not os.access(probe, os.W_OK | os.X_OK):
         raise RunDirError(

@@ -24,7 +24,7 @@ def rel(a, b):
 
 
 def _sums(parts):
-    """The per-piece bf16 products summed in fp32 (then cast once) and in bf16 (a running bf16 sum)."""
+    """The per-piece bf16 products summed in fp32 (then cast once) and as a running bf16 sum."""
     f32 = torch.zeros(parts[0].shape, dtype=torch.float32)
     b16 = torch.zeros(parts[0].shape, dtype=torch.bfloat16)
     for p in parts:
@@ -69,8 +69,8 @@ def test_chunked_ce_weight_gradient_accumulates_in_fp32():
         )
     fp32_sum, bf16_sum = _sums(parts)
     print(
-        f"lm_head grad error / u: ours {rel(got, exact) / U:.2f}, fp32 sum {rel(fp32_sum, exact) / U:.2f}, "
-        f"bf16 sum {rel(bf16_sum, exact) / U:.2f}"
+        f"lm_head grad error / u: ours {rel(got, exact) / U:.2f}, "
+        f"fp32 sum {rel(fp32_sum, exact) / U:.2f}, bf16 sum {rel(bf16_sum, exact) / U:.2f}"
     )
     assert len(parts) >= 64 and got.dtype == torch.bfloat16
     assert rel(got, exact) < 1.5 * U, f"{rel(got, exact) / U:.2f}u"

@@ -29,7 +29,7 @@ def ours(hidden, weight, labels, **kw):
 
 
 def reference(hidden, weight, labels, reduction, dtype=torch.float64):
-    """F.cross_entropy on the full logits, in `dtype` (float64: the exact answer for these inputs)."""
+    """F.cross_entropy on the full logits, in `dtype` (float64: exact for these inputs)."""
     h = hidden.detach().to(dtype).requires_grad_()
     w = weight.detach().to(dtype).requires_grad_()
     loss = F.cross_entropy(h @ w.T, labels, reduction=reduction)
@@ -55,7 +55,7 @@ def test_matches_cross_entropy(n, chunk, v, ignored, reduction, dtype, tol):
     got = ours(hidden, weight, labels, chunk_size=chunk, reduction=reduction)
     want = reference(hidden, weight, labels, reduction)
     assert got[0].dtype == dtype and got[1].dtype == dtype and got[2].dtype == dtype
-    for name, g, w in zip(("loss", "grad hidden", "grad weight"), got, want):
+    for name, g, w in zip(("loss", "grad hidden", "grad weight"), got, want, strict=True):
         assert rel(g, w) < tol, f"{name}: relative error {rel(g, w):.2e}"
     if ignored:
         assert (got[1][labels == -100] == 0).all()
@@ -77,7 +77,9 @@ def test_bfloat16_within_rounding(reduction):
     torch_bf16 = reference(hidden, weight, labels, reduction, dtype=torch.bfloat16)
     assert got[0].dtype == torch.float32  # the loss is returned in fp32
     assert got[1].dtype == got[2].dtype == torch.bfloat16
-    for name, g, t, w in zip(("loss", "grad hidden", "grad weight"), got, torch_bf16, exact):
+    for name, g, t, w in zip(
+        ("loss", "grad hidden", "grad weight"), got, torch_bf16, exact, strict=True
+    ):
         assert rel(g, w) < 2 * BF16_U, f"{name}: {rel(g, w):.2e}"
         assert rel(g, w) <= rel(t, w) + BF16_U / 4, f"{name}: {rel(g, w):.2e} vs {rel(t, w):.2e}"
 
@@ -109,7 +111,7 @@ def test_bfloat16_fused_products_path(monkeypatch):
     got = ours(hidden, weight, labels, chunk_size=64, reduction="mean")
     exact = reference(hidden, weight, labels, "mean")
     assert rel(got[0], exact[0]) < 1e-6  # logits never rounded to bf16: fp32 accuracy
-    for g, w in zip(got[1:], exact[1:]):
+    for g, w in zip(got[1:], exact[1:], strict=True):
         assert rel(g, w) < 2 * BF16_U
 
 
@@ -129,7 +131,7 @@ def test_custom_ignore_index_and_int32_labels():
     got = ours(hidden, weight, labels.int(), chunk_size=32, ignore_index=7, reduction="mean")
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     loss = F.cross_entropy(h @ w.T, labels, ignore_index=7)
-    for g, r in zip(got, (loss, *torch.autograd.grad(loss, (h, w)))):
+    for g, r in zip(got, (loss, *torch.autograd.grad(loss, (h, w))), strict=True):
         assert rel(g, r) < 1e-10
 
 
@@ -138,7 +140,7 @@ def test_non_contiguous_inputs():
     h = torch.cat([hidden.detach(), hidden.detach()], 1)[:, :16].requires_grad_()  # row stride 32
     w = weight.detach().T.contiguous().T.requires_grad_()  # column-major
     got = ours(h, w, labels, chunk_size=32)
-    for g, r in zip(got, reference(hidden, weight, labels, "sum")):
+    for g, r in zip(got, reference(hidden, weight, labels, "sum"), strict=True):
         assert rel(g, r) < 1e-10
 
 
@@ -147,7 +149,9 @@ def test_gradcheck():
     labels[2] = -100
     for reduction in ("sum", "mean"):
         assert torch.autograd.gradcheck(
-            lambda h, w: chunked_cross_entropy(h, w, labels, chunk_size=3, reduction=reduction),
+            lambda h, w, r=reduction: chunked_cross_entropy(
+                h, w, labels, chunk_size=3, reduction=r
+            ),
             (hidden, weight),
         )
 
@@ -160,7 +164,7 @@ def test_backward_scales_by_incoming_gradient_and_can_repeat():
     hidden.grad = weight.grad = None
     (2.5 * loss).backward()  # retain_graph: the saved gradients were not consumed
     _, rh, rw = reference(hidden, weight, labels, "sum")
-    for g, again, r in zip(first, (hidden.grad, weight.grad), (rh, rw)):
+    for g, again, r in zip(first, (hidden.grad, weight.grad), (rh, rw), strict=True):
         assert rel(g, 2.5 * r) < 1e-10 and torch.equal(g, again)
 
 
@@ -249,5 +253,5 @@ def test_cuda_bfloat16_accuracy_and_memory():
     budget = chunk * v * (4 + 4 + 2) + v * h * (4 + 2 + 2) + n * h * 2 * 2 + 8 * 2**20
     assert peak <= budget, (peak, budget)
     exact = reference(hidden.cpu(), weight.cpu(), labels.cpu(), "mean")
-    for name, g, w in zip(("loss", "grad hidden", "grad weight"), got, exact):
+    for name, g, w in zip(("loss", "grad hidden", "grad weight"), got, exact, strict=True):
         assert rel(g.cpu(), w) < 2 * BF16_U, f"{name}: {rel(g.cpu(), w):.2e}"

@@ -1,4 +1,4 @@
-"""What a user sees of train.py: -h, the step lines, the closing summary, OUT/config.json, --report-to.
+"""What a user sees of train.py: -h, step lines, the closing summary, OUT/config.json, --report-to.
 
 One short demo run (1 process, 6 steps, a checkpoint every 2, TensorBoard on) serves most checks;
 one more run from its OUT/config.json checks that the file is the same run. The reference for every
@@ -95,11 +95,11 @@ def test_demo_says_what_it_does_and_what_happened(demo):
     # the step lines: the numbers of metrics.jsonl, with units, one loss column
     steps = [x for x in lines if x.startswith("step ")]
     assert len(steps) == STEPS
-    for x, r in zip(steps, m):
+    for x, r in zip(steps, m, strict=True):
         assert x.startswith(
-            f"step {r['step']:>4}/{STEPS} | loss {r['loss']:.4f} | grad_norm {r['grad_norm']:.3f} | "
-            f"lr {r['lr']:.2e} | {r['tokens']:,} tokens | {r['step_time_s']:.2f} s | "
-            f"{r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
+            f"step {r['step']:>4}/{STEPS} | loss {r['loss']:.4f} | "
+            f"grad_norm {r['grad_norm']:.3f} | lr {r['lr']:.2e} | {r['tokens']:,} tokens | "
+            f"{r['step_time_s']:.2f} s | {r['tokens_per_s_per_gpu']:,.0f} tok/s/gpu"
         ), x
         assert x.count("loss") == 1
     # the closing summary: first and last loss as metrics.jsonl has them, and where the outputs are

@@ -440,8 +440,9 @@ def test_concurrent_builders_tokenise_once(corpus, tok_dir, tmp_path, monkeypatc
 @pytest.mark.slow
 def test_concurrent_processes_tokenise_once(corpus, tok_dir, tmp_path):
     script = (
-        "import sys, data; r = data.build_rows(sys.argv[1], sys.argv[2], 63, 8, cache_dir=sys.argv[3], "
-        "progress=False); print('BUILT' if r.built else 'MAPPED', int(r.tokens.sum()))"
+        "import sys, data; r = data.build_rows(sys.argv[1], sys.argv[2], 63, 8, "
+        "cache_dir=sys.argv[3], progress=False); "
+        "print('BUILT' if r.built else 'MAPPED', int(r.tokens.sum()))"
     )
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = [
@@ -510,7 +511,7 @@ def test_synthetic_copy_rows(tok_dir):
 
 
 def test_synthetic_repeat_rows():
-    """Every second-half token equals the one half a row back, and only those labels are predictable."""
+    """Every second-half token equals the one half a row back; only those labels are predictable."""
     rows = data.build_rows("synthetic:repeat", None, 511, 3, vocab_size=64, seed=1)
     h = rows.half
     for i in range(3):

@@ -130,7 +130,7 @@ def _mesh_errors(world):
     return errors
 
 
-# ---- the parent: references -----------------------------------------------------------------------
+# ---- the parent: references ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     from hf_ref import hf_model, save_hf
@@ -216,7 +216,8 @@ def test_sharded_load_logits_export_and_step(world, cases, tmp_path):
         # logits on every rank
         diffs = [r["logits_diff"] for r in per_rank]
         print(
-            f"world {world} {name}: max |logits - transformers| per rank = {['%.1e' % d for d in diffs]}"
+            f"world {world} {name}: max |logits - transformers| per rank = "
+            f"{[f'{d:.1e}' for d in diffs]}"
         )
         assert max(diffs) <= 1e-4
 

@@ -246,7 +246,7 @@ def test_rmsnorm_matches_autograd_and_saves_only_input_and_rstd(dtype):
     go = torch.autograd.grad(yo, [xo, ours.weight], dy)
     gr = torch.autograd.grad(yr, [xr, ref.weight], dy)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the final cast
-    for a, b in zip(go, gr):
+    for a, b in zip(go, gr, strict=True):
         assert (a.float() - b.float()).abs().max().item() <= tol * b.float().abs().max().item()
     n = x.numel()
     assert sum(saved) == n * x.element_size() + 64 * ours.weight.element_size() + (n // 64) * 4

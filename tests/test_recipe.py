@@ -130,7 +130,7 @@ loss_and_norm = ref_loss_and_norm  # (loss, grad norm, logits rms) of transforme
 
 
 def step_rows(d, step: int, per_step: int) -> np.ndarray:
-    """The rows step `step` (1-based) reads: dp rank r of a step takes the next row after rank r-1."""
+    """The rows step `step` (1-based) reads: dp rank r takes the next row after rank r-1."""
     rows = np.load(d / "tokens.npy")
     return rows[(step - 1) * per_step : step * per_step]
 
@@ -205,8 +205,9 @@ def test_bf16_matches_fp32_and_transformers(env, layout):
         got = m[step - 1]
         print(
             f"bf16 {layout} step {step}: loss {got['loss']:.6f} vs transformers fp32 {loss:.6f} "
-            f"(|d| {abs(got['loss'] - loss):.2e}, tol {tol:.2e}); grad_norm {got['grad_norm']:.6f} vs "
-            f"{norm:.6f} (rel {abs(got['grad_norm'] / norm - 1):.2e}, tol {BF16_NORM_RTOL:.2e})"
+            f"(|d| {abs(got['loss'] - loss):.2e}, tol {tol:.2e}); "
+            f"grad_norm {got['grad_norm']:.6f} vs {norm:.6f} "
+            f"(rel {abs(got['grad_norm'] / norm - 1):.2e}, tol {BF16_NORM_RTOL:.2e})"
         )
         assert abs(got["loss"] - loss) <= tol
         assert got["grad_norm"] == pytest.approx(norm, rel=BF16_NORM_RTOL)

@@ -41,9 +41,12 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
 
 
 def run(args, *, nproc=1, env=None, timeout=120, launcher="fork", setup=None):
-    """train.py (or torchrun.sh) with args; returns the CompletedProcess. launcher "fork": train.py as
-    __main__ on nproc ranks forked from dist_utils' fork server (torchrun's environment, no
-    per-rank import of torch); "python": a plain `python train.py`; "torchrun.sh": the front door."""
+    """train.py (or torchrun.sh) with args; returns the CompletedProcess.
+
+    launcher "fork": train.py as __main__ on nproc ranks forked from dist_utils' fork server
+    (torchrun's environment, no per-rank import of torch); "python": a plain `python train.py`;
+    "torchrun.sh": the front door.
+    """
     if launcher == "fork":  # forked from a process that has ENV's settings already
         return dist_utils.run_train(
             nproc, *args, env=env, timeout=timeout, check=False, setup=setup
@@ -237,7 +240,7 @@ def test_config_refusals_are_config_errors_naming_the_file(files, tmp_path):
     ],
 )
 def test_dry_run_plans_any_model(model, extra, files):
-    """A preset with default flags (--tile-mlp 0) and a directory holding only config.json both plan."""
+    """A preset with default flags (--tile-mlp 0) and a directory of just config.json both plan."""
     name = str(files / "noweights") if model == "config-dir" else model
     p = run(["--model", name, "--dry-run", "--seq-len", "4096", *extra])
     assert p.returncode == 0, p.stderr[-2000:]

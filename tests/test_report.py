@@ -1,4 +1,7 @@
-"""Live metrics (run/report.py) read back by the backends' own readers, and the warning filter (run/quiet.py)."""
+"""Live metrics (run/report.py) read back by the backends' own readers, and the warning filter.
+
+The filter is run/quiet.py: it hides the real DTensor CPU warning and lets every other through.
+"""
 
 import glob
 import json

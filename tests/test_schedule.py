@@ -11,6 +11,8 @@ last step, at num_training_steps. The curves coincide as ours(s) = theirs(s + 1)
 ours(s) = theirs(s) with num_training_steps = N - 1 after it; we compare exactly there.
 """
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -108,7 +110,7 @@ def hf_lambdas(name):
 
 
 def expected_lr(name, s):
-    """The lr of our step s by transformers: every one of its curves that defines ours, all equal."""
+    """The lr of our step s by transformers: each of its curves that defines ours, all equal."""
     decay, steps, warmup, floor = RUNS[name]
     fns = hf_lambdas(name)
     if s < warmup:
@@ -133,7 +135,7 @@ def test_lr_per_step_matches_transformers_schedules(runs, name):
     # the shape by closed form too: warmup ends at lr, decays end at the floor on the last step
     assert got[warmup - 1] == pytest.approx(LR) and got[0] == pytest.approx(LR / warmup)
     assert got[-1] == pytest.approx(LR if decay == "constant" else LR * floor)
-    assert all(a >= b for a, b in zip(got[warmup:], got[warmup + 1 :]))  # never rises after warmup
+    assert all(a >= b for a, b in itertools.pairwise(got[warmup:]))  # never rises after warmup
 
 
 def _decayed(name: str) -> bool:

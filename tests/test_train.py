@@ -108,7 +108,8 @@ def test_layouts_match_transformers_and_each_other(setup):
         m = metrics(out)[0]
         loss, norm = _ref_loss_and_norm(ref, rows[:nrows])
         print(
-            f"{name}: loss {m['loss']:.6f} (transformers {loss:.6f}), grad_norm {m['grad_norm']:.6f} ({norm:.6f})"
+            f"{name}: loss {m['loss']:.6f} (transformers {loss:.6f}), "
+            f"grad_norm {m['grad_norm']:.6f} ({norm:.6f})"
         )
         assert m["loss"] == pytest.approx(loss, rel=1e-5)
         assert m["grad_norm"] == pytest.approx(norm, rel=1e-4)
@@ -125,7 +126,7 @@ def test_layouts_match_transformers_and_each_other(setup):
 
 @pytest.mark.slow
 def test_padded_sequence_counts_every_label_once(setup):
-    """seq_len 62 over sp=4: shards of 16 with two padded positions; labels at shard boundaries count once."""
+    """seq_len 62 over sp=4: shards of 16, two positions padded; boundary labels count once."""
     d, ref = setup
     rows = np.load(d / "tokens.npy")
     out = d / "padded"

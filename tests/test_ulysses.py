@@ -42,7 +42,7 @@ def test_ulysses_equals_full_attention(world):
         out.backward(grad_out)
         for local_out, local_grads, sl in results:
             torch.testing.assert_close(local_out, out.detach()[:, sl], rtol=1e-12, atol=1e-12)
-            for lg, t in zip(local_grads, full):
+            for lg, t in zip(local_grads, full, strict=True):
                 torch.testing.assert_close(lg, t.grad[:, sl], rtol=1e-12, atol=1e-12)
 
 
