@@ -39,7 +39,8 @@ from tqdm import tqdm
 from data import RowLoader, build_rows
 from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
-from memory.plan import format_plan, plan_for_run, step_flops
+from memory.plan import plan_for_run, step_flops
+from memory.report import format_plan
 from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_backend
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
@@ -522,7 +523,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     # Attention once when asked, or (unset) when the planner finds host memory for it (choose_save_attention).
     planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
     save_attn, kept = (
-        planned.save_attention,
+        planned.options.save_attention,
         saved_attention_bytes(T, nh * sp, mc.head_dim, dtype.itemsize, sp=sp),
     )
     log0(
@@ -533,7 +534,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             if save_attn
             else "attention recomputed in backward"
         )
-        + (f" ({planned.save_attention_why})" if planned.save_attention_why else "")
+        + (f" ({planned.options.save_attention_why})" if planned.options.save_attention_why else "")
     )
     offload = apply_offload(
         model,
