@@ -85,9 +85,9 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
+from memory.buffers import Buffer  # noqa: E402
 from memory.plan import (  # noqa: E402
     GB,
-    Buffer,
     GiB,
     load_config,
     param_shapes,

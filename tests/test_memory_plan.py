@@ -18,11 +18,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from memory.buffers import layer_saved_bytes
 from memory.plan import (
     GB,
     GiB,
     choose_save_attention,
-    layer_saved_bytes,
     max_seq_len,
     param_shapes,
     plan,
