@@ -397,7 +397,9 @@ def format_plan(p: Plan, *, longest: bool = True) -> str:
 # ---- command line ---------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="python -m memory.report",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument(
         "--model",

@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from memory.buffers import layer_saved_bytes
+from memory.buffers import Buffer, layer_saved_bytes
 from memory.plan import (
     GB,
     GiB,
@@ -239,12 +239,10 @@ def test_design_budget_table():
     )  # layer 0: it and the embedding
     # without tiling, the recompute keeps four 131,072 x 12,288 bf16 MLP intermediates (3.2 GB each)
     untiled = layer_saved_bytes(QWEN3_8B, 131_072, 8, tiled_mlp=False)
-    assert untiled["MLP gate, up, act, product"] == 4 * 131_072 * 12_288 * 2
+    assert untiled[Buffer.MLP_INTERMEDIATES] == 4 * 131_072 * 12_288 * 2
     big = plan(QWEN3_8B, T_1M, gpus=8, sp=8, tiled_mlp=False)
     assert big.layer.working_bytes > p.layer.working_bytes + 15 * GB
-    assert (
-        p.loss.working["fp32 lm_head gradient accumulator (V x H)"] == 151_936 * 4096 * 4
-    )  # 2.5 GB
+    assert p.loss.working[Buffer.LM_HEAD_GRAD_ACC] == 151_936 * 4096 * 4  # 2.5 GB
     assert p.fits and p.total < 56.2 * GB  # lighter than the public recipe
     assert not plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False, tiled_mlp=False).fits
 
@@ -341,7 +339,7 @@ def test_kv_heads_repeat_when_sp_exceeds_them():
         T_1M * 4 * 128 * 2,
         T_1M * 1 * 128 * 2,
     )  # per rank: 4 query heads, 1 kv head, whole sequence
-    assert saved["q, k, v at SDPA [T, heads/sp, hd]"] == q + 2 * kv
+    assert saved[Buffer.QKV_AT_SDPA] == q + 2 * kv
 
 
 # ---- (f) the outputs and the command line ------------------------------------------------------------
@@ -465,7 +463,7 @@ def test_save_attention_host_bytes_are_the_pools():
             35 * (host_bytes(out) + host_bytes(lse)) - host_bytes(x)
         )
         assert on.host.offload_bytes_per_step == 2 * 35 * (x + out + lse)
-        key = "last layer's input, attention out and lse (attention once, on the device)"
+        key = Buffer.LAST_LAYER_KEPT
         assert on.loss.working[key] == x + out + lse and key not in off.loss.working
         assert on.held.saved_attention == 0 and on.held.bytes == off.held.bytes
     at_1m = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
@@ -479,7 +477,7 @@ def test_save_attention_without_offload_stays_on_the_gpu():
     off = plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False)
     assert on.host.saved_attention_per_gpu == 0 and on.host.per_node == off.host.per_node
     assert on.held.saved_attention == 35 * (2**30 + 2**24)  # the layer in backward counts its own
-    key = "last layer's input, attention out and lse (attention once, on the device)"
+    key = Buffer.LAST_LAYER_KEPT
     assert (
         on.loss.working[key] == 2**30 + 2**24
     )  # its input is among the saved inputs on the GPU already
@@ -641,14 +639,15 @@ def test_cpu_offload_moves_the_state_to_host():
     )  # the rounding costs 10-25% over the 16 B per parameter
     assert (
         off.held.bytes - on.held.bytes == 3 * 4 * sum(rows)
-        and "gradient shards reduced so far" not in on.layer.working
+        and Buffer.GRAD_SHARDS not in on.layer.working
     )
     # the GPU keeps one unit's fp32 shards on their way in and one unit's gradient shards on their way out
     layer = sum(rows[1:12])  # rows[0] is the embedding, then layer 0's 11 parameters
-    staged = {k: v for k, v in on.layer.working.items() if "(CPU offload)" in k}
+    cpu_offload_buffers = (Buffer.STAGED_SHARDS, Buffer.STAGED_GRADS)
+    staged = {k: v for k, v in on.layer.working.items() if k in cpu_offload_buffers}
     assert list(staged.values()) == [4 * layer, 4 * layer]
     cpu = plan(QWEN3_8B, T_1M, cpu_offload=True, device="cpu", **kw)
-    assert not any("(CPU offload)" in k for k in cpu.layer.working)
+    assert not any(k in cpu_offload_buffers for k in cpu.layer.working)
     # PCIe: every unit's shards in for each gather (twice, but once for the last layer and the
     # [norm + lm_head] unit, which stay gathered from forward to backward), every gradient shard out
     head = rows[-1] + rows[-2]
