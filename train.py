@@ -47,7 +47,8 @@ import torch.distributed as dist
 from data import RowLoader, build_rows
 from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
-from memory.plan import format_plan, plan_for_run, step_flops
+from memory.plan import plan_for_run, step_flops
+from memory.report import format_plan
 from memory.snapshot import cuda_memory_history
 from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_backend
 from model.checkpoint_offload import apply_offload
@@ -575,7 +576,7 @@ def choose_attention(cfg, mc, sp, device, dtype) -> tuple[TrainConfig, str]:
 
 
 def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
-    if planned.save_attention:
+    if planned.options.save_attention:
         padded_row = math.ceil(cfg.seq_len / sp) * sp
         kept = saved_attention_bytes(
             padded_row, mc.num_attention_heads, mc.head_dim, dtype.itemsize, sp=sp
@@ -584,7 +585,7 @@ def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
         how = f"attention once per layer, {kept / 2**20:,.1f} MiB per layer per GPU on the {where}"
     else:
         how = "attention recomputed in backward"
-    why = f" ({planned.save_attention_why})" if planned.save_attention_why else ""
+    why = f" ({planned.options.save_attention_why})" if planned.options.save_attention_why else ""
     log0(f"attention: {BACKENDS[backend]} ({backend}); {how}{why}")
 
 
@@ -674,10 +675,10 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         offload=cfg.offload,
         min_bytes=cfg.offload_min_bytes,
         tile_mlp=cfg.tile_mlp or None,
-        save_attention=planned.save_attention,
+        save_attention=planned.options.save_attention,
     )
     if cfg.offload:
-        reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.save_attention)
+        reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
 
     loader = RowLoader(
         rows, mesh["dp"].get_local_rank(), dp, mesh["sp"].get_local_rank(), sp, device=device

@@ -95,6 +95,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------------------------
+# Elements per row chunk of the RMSNorm's fp32 temporaries: 64 MiB of fp32 each, 4,096 rows of
+# Qwen3-8B's hidden size. memory/plan.py counts one chunk's temporaries.
+RMSNORM_CHUNK_ELEMS = 1 << 24
+
+
 class _RMSNormFn(torch.autograd.Function):
     """weight * (x / rms(x)) with transformers' arithmetic (normalise in fp32, cast back to x's
     dtype, then scale), saving for backward only x and the fp32 1/rms per row.
@@ -107,7 +112,7 @@ class _RMSNormFn(torch.autograd.Function):
     the whole [tokens, hidden] tensor (10 fp32 copies of a 1 GiB input in backward otherwise).
     """
 
-    CHUNK_ELEMS = 1 << 24  # 64 MiB of fp32 per temporary: 4,096 rows of Qwen3-8B's hidden size
+    CHUNK_ELEMS = RMSNORM_CHUNK_ELEMS  # what forward and backward read (tests set it)
 
     @staticmethod
     def forward(ctx, x, weight, eps):
