@@ -351,11 +351,29 @@ def check_host_memory(cfg, mc: Qwen3Config, world: int, sp: int, dp: int, origin
     )
 
 
+def agree_on_host_memory(cfg, origin: str) -> str:
+    """With a process group: every rank takes the smallest cfg.host_mem_gb of all ranks, and the
+    returned origin says so when that is not its own. Each node reads its own machine (MemTotal
+    differs by megabytes even between identical nodes), and ranks that plan with different
+    numbers can choose attention once differently, then disagree on backward's collectives."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return origin
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, cfg.host_mem_gb)
+    if min(values) == cfg.host_mem_gb:
+        return origin
+    cfg.host_mem_gb = min(values)
+    return f"the smallest over the {len(values)} ranks' host memory"
+
+
 # ---- all of it --------------------------------------------------------------------------------
 def check_run(cfg, world: int, local_world: int, *, download: bool = False, extra_models=None):
     """(model config or None, model dir or None, sp, dp); see the module docstring."""
     origin = settle_host_memory(cfg)  # here first, to know where the number comes from
     check_flags(cfg)
+    origin = agree_on_host_memory(cfg, origin)
     mc, model_dir = resolve_model(cfg, download=download, extra_models=extra_models)
     if mc is None:  # an unknown hub id before its download: what needs its config waits for it
         return None, None, cfg.sp or local_world, world // (cfg.sp or local_world)

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from dist_utils import run_train
+from dist_utils import run_distributed, run_train
 
 import train
 from memory.plan import GB, plan_for_run
@@ -170,6 +170,18 @@ def test_cpu_offload_counts_and_is_named(monkeypatch):
         ConfigError, match=rf"--host-mem-gb {limit:g}\); try .* or no --cpu-offload"
     ):
         checks.check_run(train.TrainConfig(**base, cpu_offload=True, host_mem_gb=limit), 1, 1)
+
+
+def _ranks_settle(rank, world):
+    checks.host_memory_bytes = lambda: ((30 - rank) * 10**9, f"node {rank}")  # this process's
+    cfg = train.TrainConfig(model="tiny", steps=1, sp=1)
+    checks.check_run(cfg, world, world)
+    return cfg.host_mem_gb
+
+
+def test_every_rank_plans_with_the_smallest_nodes_memory():
+    """Each rank reads its own machine; with a process group they agree on the smallest."""
+    assert run_distributed(_ranks_settle, 3) == [28.0, 28.0, 28.0]
 
 
 def test_cpu_runs_are_not_refused(monkeypatch):
