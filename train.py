@@ -154,7 +154,7 @@ class TrainConfig:
     eos_token: str = arg("", "separator between documents; empty: the tokenizer's eos token")
     gpu_mem_gb: float = arg(80.0, "GPU memory per GPU, for the memory plan")
     host_mem_gb: float = arg(
-        2000.0, "host memory per node, for the plan and the attention-once choice"
+        0.0, "host GB per node, for the plan and its checks; 0: this machine's, 2000 in --dry-run"
     )
     cpu_offload: bool = arg(
         False, "fp32 shards, grads, AdamW states in host memory; AdamW on the CPU (-15 GB/GPU)"

@@ -25,6 +25,7 @@ from torch import nn
 
 from model.attention import attention
 from model.config import Qwen3Config
+from model.seeded_init import seeded_normal_
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,12 +275,20 @@ class Qwen3(nn.Module):
             layer.self_attn.attn_fn = attn_fn
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """Weights for a run from scratch, as transformers initialises Qwen3: N(0, 0.02) for
-        linear and embedding weights, ones for the norms. Works on sharded (DTensor) parameters."""
+        linear and embedding weights, ones for the norms. Each weight's numbers depend only on
+        `seed` and its name (model/seeded_init.py), so a sharded model (DTensor parameters, any
+        world size, shards on any device) holds the same full weights as one process.
+        seed None: torch.initial_seed(), the seed the last torch.manual_seed set."""
+        seed = torch.initial_seed() if seed is None else seed
         std = self.config.initializer_range
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std)
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
+        drawn = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        norms = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
+        for name, p in self.named_parameters():  # a tied lm_head once, as model.embed_tokens
+            if id(p) in drawn:
+                seeded_normal_(p, seed=seed, name=name, std=std)
+            elif id(p) in norms:
+                p.fill_(1.0)
+            else:
+                raise TypeError(f"init_weights has no rule for parameter {name}")
