@@ -123,7 +123,7 @@ def test_zero_becomes_this_machines_number_and_reaches_the_plan(monkeypatch):
     assert cfg.host_mem_gb == 0
     mc, _, sp, dp = checks.check_run(cfg, 1, 1)
     assert cfg.host_mem_gb == 30.0
-    assert plan_for_run(cfg, mc, 1, sp, dp, 4, "cpu").host_mem_gb == 30.0
+    assert plan_for_run(cfg, mc, 1, sp, dp, 4, "cpu").options.host_mem_gb == 30.0
     given = train.TrainConfig(host_mem_gb=123.0)
     checks.check_flags(given)
     assert given.host_mem_gb == 123.0
@@ -161,8 +161,8 @@ def test_cpu_offload_counts_and_is_named(monkeypatch):
     plain = train.TrainConfig(**base, host_mem_gb=1000.0)
     mc, _, sp, dp = checks.check_run(plain, 1, 1)
     off = train.TrainConfig(**base, cpu_offload=True, host_mem_gb=1000.0)
-    low = plan_for_run(plain, mc, 1, sp, dp, 2, "cuda").host_per_node / GB
-    high = plan_for_run(off, mc, 1, sp, dp, 2, "cuda").host_per_node / GB
+    low = plan_for_run(plain, mc, 1, sp, dp, 2, "cuda").host.per_node / GB
+    high = plan_for_run(off, mc, 1, sp, dp, 2, "cuda").host.per_node / GB
     assert high > low + 1
     limit = (low + high) / 2
     checks.check_run(train.TrainConfig(**base, host_mem_gb=limit), 1, 1)
