@@ -1,8 +1,8 @@
 """The attention one Ulysses rank runs, timed on the kernel training pins, and the all-to-alls.
 
-    python bench/bench_attention.py                      # cuda: Qwen3-8B, sp=8, 1,048,576 tokens
-    python bench/bench_attention.py --tokens 262144 --steps 3 --json attn.json
-    python bench/bench_attention.py --device cpu --tiny  # tiny preset, 512 tokens, sp=2, fp32
+    from bench.bench_attention import run, compare_backends, exchange_volumes
+    r = run(1_048_576, 8, model="qwen3-8b", device="cuda")   # r["fwd_s"], r["bwd_s"], r["backend"]
+    python bench/gpu_check.py --parts attention,backends      # the command line that runs them
 
 At sp=8 each rank attends over every token with 32/8 = 4 query heads and 8/8 = 1 kv head:
 q [1, T, 4, 128], k and v [1, T, 1, 128]. run() times model.qwen3.sdpa_attention forward, then
@@ -16,17 +16,10 @@ the [sp, B, T/sp, heads/sp, hd] buffers of q, k, v, out in forward and recompute
 gradients in backward, (sp-1)/sp of each sent, PROJECTED at 450 GB/s (NVLink 4) per direction.
 """
 
-import argparse
 import functools
 import inspect
-import json
 import math
-import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -219,49 +212,3 @@ def compare_backends(tokens=65536, hq=4, hkv=1, hd=128, *, device="cuda", pair=N
         out["diffs"][t] = {"max_abs": max_abs, "max_ref": ref, "rel": max_abs / ref}
     out["agree"] = all(d["rel"] <= REL_TOL for d in out["diffs"].values())  # NaN: False
     return out
-
-
-def format_compare(c: dict) -> str:
-    a, b = c["backends"]
-    head = f"{a} vs {b}: {c['tokens']:,} tokens, {c['q_heads']} query / {c['kv_heads']} kv heads"
-    if c["skipped"]:
-        return f"{head}: skipped ({c['skipped']})"
-    rows = [{"tensor": t, **d} for t, d in c["diffs"].items()]
-    cols = {"tensor": "", "max_abs": ".3e", "max_ref": ".3e", "rel": ".2e"}
-    return (
-        f"{head}: {'agree' if c['agree'] else 'DISAGREE'} (rel <= {REL_TOL})\n{table(rows, cols)}"
-    )
-
-
-def format_result(r: dict) -> str:
-    lines = [f"q {r['q_shape']}, k/v {r['kv_shape']}, {r['dtype']}, causal"]
-    if r["backend"] is not None:
-        lines.append(f"pinned {r['backend_pinned']}, ran {r['backend']}: {r['backend_ops']}")
-        lines.append(
-            f"forward {r['fwd_s']:.4f} s ({r['fwd_tflops']:.1f} TFLOP/s), backward {r['bwd_s']:.4f}"
-            f" s ({r['bwd_tflops']:.1f} TFLOP/s), peak {r['act_peak_gb']} GB over the inputs"
-            + f"; measured at {r['measured_tokens']:,} tokens, scaled by T^2"
-            * r["extrapolated"]
-        )
-    return "\n".join(lines + [f"refused: {k}: {v}" for k, v in r["backend_errors"].items()])
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="tiny preset, 512 tokens, sp=2")
-    ap.add_argument("--tokens", type=int, default=None, help="sequence length (1,048,576)")
-    ap.add_argument("--sp", type=int, default=None, help="sequence-parallel degree (8)")
-    ap.add_argument("--steps", type=int, default=1, help="timed runs at full length")
-    ap.add_argument("--json", default=None, help="also write the result here")
-    a = ap.parse_args()
-    tokens, sp = a.tokens or (512 if a.tiny else 1_048_576), a.sp or (2 if a.tiny else 8)
-    r = run(tokens, sp, device=a.device, tiny=a.tiny, steps=a.steps)
-    r["exchange"] = exchange_volumes(load_config("tiny" if a.tiny else "qwen3-8b"), tokens, sp)
-    print(f"{format_result(r)}\n{format_exchange(r['exchange'])}")
-    if a.json:
-        Path(a.json).write_text(json.dumps(r, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -13,8 +13,7 @@ import statistics
 import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root
 
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,5 @@
-"""Run a benchmark function in a fresh process: its own allocator, peak memory and time limit.
+"""A benchmark function in a fresh process: its own allocator, peak memory and time limit.
 
-    from bench.fresh_process import in_fresh_process
     r = in_fresh_process(run_case, "naive", 4096, 512, 151936, timeout=600)   # its dict, or
     r["error"]                                                                 # why there is none
 
@@ -24,15 +23,16 @@ def in_fresh_process(fn, *args, timeout: float | None = None):
     receive, send = ctx.Pipe(duplex=False)
     process = ctx.Process(target=_child, args=(send, fn, args))
     process.start()
-    send.close()  # only the child's end stays open: its death reads as end of file
+    send.close()  # the child holds the only sending end now: its death reads as end of file
     try:
-        if not receive.poll(timeout):
-            return {"error": f"timeout after {timeout:.0f} s"}
-        return receive.recv()
+        if receive.poll(timeout):
+            return receive.recv()
+        return {"error": f"timeout after {timeout:.0f} s"}
     except EOFError:
         process.join()
         killed = process.exitcode in (-9, 137)  # SIGKILL: the kernel's OOM killer, usually
         return {"error": "killed (host out of memory?)" if killed else f"exit {process.exitcode}"}
     finally:
+        process.join(30)  # a child that has sent its result exits by itself
         process.kill()
         process.join()

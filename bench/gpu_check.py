@@ -1,28 +1,18 @@
-"""One GPU, under 6 minutes: each piece of a 1M-token Qwen3-8B step timed as training runs it,
-and the 8-GPU step projected from them.
+"""One GPU, under 6 minutes: the pieces of a 1M-token Qwen3-8B step, timed as training runs them
+(1,048,576 tokens over 8 GPUs at sp=8, attention once, 16,384-row MLP tiles, the kernel train.py
+pins), and the 8-GPU step projected from them. README "On one GPU" lists the parts and the sum.
 
     timeout 360 python bench/gpu_check.py --budget-s 330 --out gpu_check.json   # ~3 min expected
     python bench/gpu_check.py --parts attention,backends --out r.json
     python bench/gpu_check.py --device cpu --tiny --out /tmp/r.json    # tiny shapes, in seconds
 
-The step: 1,048,576 tokens on 8 GPUs (dp=1, sp=8: 131,072 tokens per GPU outside attention),
-attention once, 16,384-row MLP tiles, the kernel train.py pins. Each part runs in a fresh process
-(its own allocator and peak) under its share of --budget-s plus what earlier parts left (--tiny:
-all in one); the JSON is rewritten after each, so a killed run still leaves one.
-  loss       bench_loss.run_case at N=131,072 H=4096 V=151,936 bf16, 256- and 1024-row chunks
-  layers     bench_offload stacks of 2 and 4 Qwen3-8B layers wrapped as training wraps them
-             (offload, attention once, tiled MLP, host blocks reserved before step 1): the time
-             per layer from their difference, less their attention timed alone; the one-layer
-             backward working set against the planner's
-  attention  bench_attention.run: one sp=8 rank at 1,048,576 tokens, 4 query heads, 1 kv head
-  backends   bench_attention.compare_backends: cuDNN against flash at 65,536 tokens
-  optimizer  global-norm clipping and AdamW (fused, as train.py) over one GPU's fp32 shards
-A part short of time runs smaller (the stack at fewer tokens; the attention at a shorter length,
-scaled by T^2, `extrapolated`) or is skipped with the reason. Projected (not measured):
-  step = layers x (layer without attention + attention fwd + bwd) + loss + all-to-all + optimizer
-the all-to-all from bench_attention.exchange_volumes at --nvlink-gbps, FSDP2's collectives shown
-(overlapped, not added), next to the planner's FLOPs floor at --peak-tflops and the public recipe;
-the peak per GPU is the planner's with the measured one-layer working set and loss.
+Each part runs in a fresh process (its own allocator and peak; --tiny: all in one) under its share
+of --budget-s plus what earlier parts left, and the JSON is rewritten after each. A part short of
+time runs smaller (one layer stack, not two; the attention at a shorter length scaled by T^2) or
+is skipped with the reason. Projected, not measured: step = layers x (layer without
+attention + attention fwd + bwd) + loss + all-to-all (bench_attention.exchange_volumes at
+--nvlink-gbps) + optimizer; the peak per GPU is the planner's with the measured one-layer working
+set and loss.
 """
 
 import argparse
@@ -35,8 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repo root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root
 
 # Large contiguous tensors (1 GiB layer inputs, the 1M-token attention) need it; workers inherit it.
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -45,7 +34,7 @@ import torch
 
 from bench import bench_attention, bench_loss, bench_offload
 from bench.fresh_process import in_fresh_process
-from bench.table import table
+from bench.table import figures, table
 from bench.timer import measure
 from memory.plan import PUBLIC_RECIPE, load_config, param_shapes, plan, shard_numel, step_flops
 from model.attention import set_backend
@@ -54,9 +43,6 @@ GB, GiB = 1e9, 2**30
 SHARES = {"loss": 0.15, "layers": 0.35, "attention": 0.25, "backends": 0.10, "optimizer": 0.10}
 STARTUP_S = {"cuda": 15.0, "cpu": 3.0}  # a fresh process's imports and CUDA start
 PART_COLUMNS = {"part": "", "status": "", "process_s": ".1f", "process_peak_gb": ".2f"}
-LOSS_COLUMNS = {"chunk_rows": "", "time_s": ".4f", "tflops": ".1f", "peak_mem_gb": ".2f"}
-STACK_COLUMNS = {"layers": "", "step_s": ".4f", "peak_gib": ".2f", "act_gib": ".2f"}
-STACK_COLUMNS.update(d2h_mib=".1f", pinned_mib=".1f", reserve_s=".2f")
 
 
 @dataclass(frozen=True)
@@ -112,47 +98,35 @@ def part_loss(g: Geometry, dev: torch.device, limit_s: float) -> dict:
 
 
 def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
-    """Layer stacks as training wraps them and their attention alone: at the per-GPU tokens, or
-    at half or a quarter of them when the estimate (from the attention) or memory says so, the
-    time without attention then scaled back up linearly."""
+    """Layer stacks at the per-GPU tokens as training wraps them, and their attention alone; the
+    larger stack is skipped if its estimate (a layer ~2.5x its attention) would overrun."""
     cfg, t0, dtype = load_config(g.model), time.perf_counter(), _dtype(dev)
-    heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    T, heads = g.tokens, (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+    kw = {"model": cfg, "device": str(dev), "steps": g.steps, "limit_s": 0.15 * limit_s}
+    la = bench_attention.run(T, 1, **kw)  # sp=1: every head over the local tokens
+    if la["backend"] is None:
+        raise RuntimeError(f"local attention did not run: {la['backend_errors']}")
+    la_s = la["fwd_s"] + la["bwd_s"]  # attention once: the recompute replays its output
+    set_backend(bench_attention.pinned_backend(dev, dtype, *heads, T))  # what training pins
     runs, skipped = {}, []
-    for T in (g.tokens, g.tokens // 2, g.tokens // 4):
-        left = limit_s - (time.perf_counter() - t0)
-        kw = {"model": cfg, "device": str(dev), "steps": g.steps, "limit_s": 0.15 * left}
-        la = bench_attention.run(T, 1, **kw)  # sp=1: every head over the local tokens
-        if la["backend"] is None:
-            raise RuntimeError(f"local attention did not run: {la['backend_errors']}")
-        la_s = la["fwd_s"] + la["bwd_s"]  # attention once: the recompute replays its output
-        set_backend(bench_attention.pinned_backend(dev, dtype, *heads, T))  # what training pins
-        for L in g.stack_layers:
-            est = (1 + g.steps) * L * 2.5 * la_s + 5  # steps of L layers, each ~2.5x its attention
-            left = limit_s - (time.perf_counter() - t0)
-            if est > left and (runs or T > g.tokens // 4):  # the last resort runs regardless
-                skipped.append(f"{L} layers at {T:,} tokens: estimated {est:.0f} s of {left:.0f}")
-                break
-            stack, inputs = bench_offload.build_stack(cfg, L, T, dev, dtype)
-            kw = {"steps": g.steps, "tile_mlp": g.mlp_tile, "save_attention": True}
-            m = bench_offload.measure_mode(stack, inputs, "offload_tiled", **kw, min_bytes=0)
-            del stack, inputs
-            if m["oom"]:
-                skipped.append(f"{L} layers at {T:,} tokens: out of memory")
-                break
-            # the pool was reserved before the warm-up: nothing allocated since
-            m["host_allocs_after_reserve"] = m.pop("host_allocs_after_warmup")
-            runs[L] = m
-        if runs:
-            break
-    if not runs:
-        raise RuntimeError(f"no layer stack ran: {skipped}")
+    for L in g.stack_layers:
+        estimate, left = (1 + g.steps) * L * 2.5 * la_s, limit_s - (time.perf_counter() - t0)
+        if runs and estimate > left:
+            skipped.append(f"{L} layers: estimated {estimate:.0f} s, {left:.0f} s left")
+            continue
+        stack, inputs = bench_offload.build_stack(cfg, L, T, dev, dtype)
+        mode = (stack, inputs, "offload_tiled", g.steps, 1, g.mlp_tile)  # 1 warm-up step
+        runs[L] = bench_offload.measure_mode(*mode, save_attention=True)
+        del stack, inputs
+        if runs[L]["oom"]:
+            raise RuntimeError(f"{L} layers at {T:,} tokens: out of memory")
+        # the pool was reserved before the warm-up: nothing allocated since
+        runs[L]["host_allocs_after_reserve"] = runs[L].pop("host_allocs_after_warmup")
     lo, hi = min(runs), max(runs)
-    # the difference leaves out what a stack pays once (its input, output and their gradients)
-    per_layer = (
-        (runs[hi]["step_s"] - runs[lo]["step_s"]) / (hi - lo)
-        if hi > lo
-        else runs[hi]["step_s"] / hi
-    )
+    if hi > lo:  # the difference leaves out what a stack pays once (input, output, gradients)
+        per_layer = (runs[hi]["step_s"] - runs[lo]["step_s"]) / (hi - lo)
+    else:
+        per_layer = runs[hi]["step_s"] / hi
     return {
         "tokens": T,
         "mlp_tile": g.mlp_tile,
@@ -162,7 +136,7 @@ def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
         "per_layer_s": per_layer,
         "local_attention": la,
         "local_attention_s": la_s,
-        "per_layer_nonattn_s": (per_layer - la_s) * g.tokens / T,
+        "per_layer_nonattn_s": per_layer - la_s,
         "working_set": _working_set(cfg, T, g.mlp_tile, runs, dtype.itemsize),
     }
 
@@ -305,45 +279,17 @@ def project(res: dict, g: Geometry, nvlink_gbps: float, peak_tflops: float, esiz
 
 
 def summary(res: dict) -> str:
-    """The printout: the parts, their figures, the projection."""
-    p, recipe = res["projection"], PUBLIC_RECIPE
-    out = [
-        f"gpu_check on {res['device']}, torch {res['torch']}: {res['model']}, {res['seq_len']:,}"
-        f" tokens, sp={res['sp']}; {res['wall_s']:.0f} s of a {res['budget_s']:.0f} s budget",
+    """The printout: the parts, their figures, the projection with its arithmetic."""
+    p = res["projection"]
+    head = f"gpu_check on {res['device']}, torch {res['torch']}: {res['model']}"
+    lines = [
+        f"{head}, {res['wall_s']:.0f} s of {res['budget_s']:.0f} s",
         table([{"part": n, **res[n]} for n in PARTS], PART_COLUMNS),
     ]
-    ok = {n: res[n] for n in PARTS if res[n]["status"] == "ok"}
-    if "loss" in ok:
-        out += [f"\nloss at N={ok['loss']['N']:,}:", table(ok["loss"]["runs"], LOSS_COLUMNS)]
-    if "layers" in ok:
-        la = ok["layers"]
-        rows = [{"layers": L, **r} for L, r in la["runs"].items()]
-        out += [f"\nlayers at {la['tokens']:,} tokens:", table(rows, STACK_COLUMNS)]
-        keys = ("per_layer_s", "local_attention_s", "per_layer_nonattn_s")
-        out.append(", ".join(f"{k} {la[k]:.4f}" for k in keys) + f"; skipped {la['skipped']}")
-        out.append(f"one-layer working set: {la['working_set']}")
-    if "attention" in ok:
-        out += ["", bench_attention.format_result(ok["attention"])]
-    if "backends" in ok:
-        out += ["", bench_attention.format_compare(ok["backends"])]
-    if "optimizer" in ok:
-        o = ok["optimizer"]
-        out.append(
-            f"\n{o['optimizer']} over {o['params_per_gpu']:,} parameters: {o['time_s']:.4f} s"
-        )
-    out.append(f"\nPROJECTED step, {p['seq_len']:,} tokens on {p['gpus']} GPUs: {p['status']}")
-    if p["status"] == "ok":
-        out.append(f"  {p['how']}; attention {100 * p['attention_share']:.0f}% of it")
-        out.append(
-            f"  recomputing attention {p['step_s_attention_recomputed']:.1f} s; FSDP2 collectives"
-            f" {p['fsdp_collectives_s']:.3f} s (overlapped); implied MFU "
-            f"{100 * p['implied_mfu']:.1f}%; peak per GPU {p.get('peak_gb', '-')} GB"
-        )
-    out.append(
-        f"  planner: floor {p['planner_floor_s']:.1f} s, peak {p['planner_peak_gb']:.1f} GB; "
-        f"public recipe: {recipe['step_time_s']:.0f} s, {recipe['peak_gb_per_gpu']} GB"
-    )
-    return "\n".join(out)
+    lines += [f"{n}: {figures(res[n])}" for n in PARTS if res[n]["status"] == "ok"]
+    lines.append(bench_attention.format_exchange(res["exchange"]))
+    lines.append(f"PROJECTED step, {p['seq_len']:,} tokens on {p['gpus']} GPUs: {p['status']}")
+    return "\n".join([*lines, figures(p)])
 
 
 def main() -> dict:

@@ -1,9 +1,10 @@
-"""The one text table of the benchmarks' printouts: a list of dicts, one column per key.
+"""The benchmarks' printouts: a table of dicts (one column per key), or one dict's figures.
 
-    from bench.table import table
+    from bench.table import figures, table
     print(table(rows, {"impl": "", "time_s": ".3f", "peak_mem_gb": ".2f"}))
+    print(figures(result))    # time_s=0.0123, runs.0.peak_gib=1.5, ...
 
-Headers are the keys (the JSON's field names); a missing or None value prints as "-".
+Headers and names are the keys, the JSON's field names; a missing or None value prints as "-".
 """
 
 
@@ -17,8 +18,21 @@ def table(rows: list, columns: dict) -> str:
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
     lines = []
     for row in cells:
-        first = row[0].ljust(widths[0])
-        lines.append(
-            "  ".join([first] + [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)])
-        )
+        rest = [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
+        lines.append("  ".join([row[0].ljust(widths[0]), *rest]))
     return "\n".join(lines)
+
+
+def figures(d: dict, prefix: str = "") -> str:
+    """Every number, string and flag in `d` as key=value, nested keys dotted, floats to 4 digits."""
+    out = []
+    for k, v in d.items():
+        if isinstance(v, list) and all(isinstance(x, dict) for x in v):
+            v = dict(enumerate(v))
+        if isinstance(v, dict):
+            out.append(figures(v, f"{prefix}{k}."))
+        elif isinstance(v, float):
+            out.append(f"{prefix}{k}={v:.4g}")
+        elif isinstance(v, (int, str, bool)) or v is None:
+            out.append(f"{prefix}{k}={v}")
+    return ", ".join(x for x in out if x)

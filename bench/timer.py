@@ -1,11 +1,10 @@
 """The one timer of the benchmarks: warm-up, repeats, min and median, peak memory.
 
-    from bench.timer import measure
     t = measure(step, "cuda", warmup=1, repeats=5)   # t.min_s, t.median_s, t.peak_bytes, t.values
 
-Each call is bracketed by torch.cuda.synchronize on CUDA. Peak memory spans the warm-up and the
-timed calls, as the rise over the start: torch.cuda.max_memory_allocated on CUDA; on CPU the
-peak resident set (Linux VmHWM, reset through /proc/self/clear_refs), freed-but-kept pages too.
+Calls are bracketed by torch.cuda.synchronize on CUDA. Peak memory spans the warm-up and the timed
+calls, as the rise over the start: CUDA's max_memory_allocated; on CPU the peak resident set
+(VmHWM, reset through /proc/self/clear_refs), which counts pages the allocator kept as well.
 """
 
 import statistics
@@ -36,21 +35,18 @@ def process_memory(field: str) -> int:
         return 1024 * next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
-def _start_memory(device: torch.device) -> int:
-    sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return torch.cuda.memory_allocated(device)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM back to the resident size
-    return process_memory("VmRSS")
-
-
 def measure(fn, device, *, warmup: int = 1, repeats: int = 3, min_total_s: float = 0.0) -> Timing:
-    """fn() `warmup` times, then timed `repeats` times and more (up to 50) while the timed calls
-    add up to under min_total_s."""
+    """fn() `warmup` times, then timed `repeats` times, and more (up to 50) while under
+    min_total_s in all."""
     device = torch.device(device)
-    base = _start_memory(device)
+    cuda = device.type == "cuda"
+    sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM back to the resident size
+    base = torch.cuda.memory_allocated(device) if cuda else process_memory("VmRSS")
     for _ in range(warmup):
         fn()
     times, values = [], []
@@ -60,6 +56,5 @@ def measure(fn, device, *, warmup: int = 1, repeats: int = 3, min_total_s: float
         values.append(fn())
         sync(device)
         times.append(time.perf_counter() - t0)
-    cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else process_memory("VmHWM")
     return Timing(times, values, base, peak - base, min(times), statistics.median(times))
