@@ -315,7 +315,7 @@ def main() -> dict:
     res.update(tiny=a.tiny, budget_s=budget, nvlink_gbps=a.nvlink_gbps, argv=sys.argv[1:])
     kw = {"bytes_per_elem": esize, "nvlink_gbps": a.nvlink_gbps}
     res["exchange"] = bench_attention.exchange_volumes(load_config(g.model), g.seq_len, g.sp, **kw)
-    res.update({n: {"status": "not requested"} for n in PARTS if n not in todo})
+    res.update({n: {"status": "not run" if n in todo else "not requested"} for n in PARTS})
     banked = 0.0
     for group in [todo] if a.tiny else [[n] for n in todo]:
         share = sum(SHARES[n] for n in group) * budget  # plus what earlier groups left unused

@@ -13,14 +13,13 @@ def _cell(value, spec: str) -> str:
 
 
 def table(rows: list, columns: dict) -> str:
-    """columns: key -> format spec. The first column is left-aligned, the others right-aligned."""
+    """columns: key -> format spec; "" (text) is left-aligned, numbers are right-aligned."""
     cells = [list(columns)] + [[_cell(r.get(k), spec) for k, spec in columns.items()] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    lines = []
-    for row in cells:
-        rest = [c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)]
-        lines.append("  ".join([row[0].ljust(widths[0]), *rest]))
-    return "\n".join(lines)
+    align = [str.ljust if spec == "" else str.rjust for spec in columns.values()]
+    return "\n".join(
+        "  ".join(a(c, w) for a, c, w in zip(align, row, widths, strict=True)) for row in cells
+    )
 
 
 def figures(d: dict, prefix: str = "") -> str:
