@@ -4,16 +4,12 @@
     r = run(1_048_576, 8, model="qwen3-8b", device="cuda")   # r["fwd_s"], r["bwd_s"], r["backend"]
     python bench/gpu_check.py --parts attention,backends      # the command line that runs them
 
-At sp=8 each rank attends over every token with 32/8 = 4 query heads and 8/8 = 1 kv head:
-q [1, T, 4, 128], k and v [1, T, 1, 128]. run() times model.qwen3.sdpa_attention forward, then
-backward from a random gradient (what attention once runs per layer), on the kernel train.py
-pins (pick_backend, then set_backend: cuDNN, else flash; cpu_flash on CPU). On CUDA
-flash stands in when cuDNN fails at full length; a time limit halves the length and scales the
-times by T^2 (`extrapolated`). A dispatch mode records which aten op ran; FLOPs are the
-planner's. compare_backends() runs two kernels on the same inputs: their largest differences.
-exchange_volumes() is arithmetic (tests/test_gpu_check.py checks it against model/ulysses.py):
-the [sp, B, T/sp, heads/sp, hd] buffers of q, k, v, out in forward and recompute and of their
-gradients in backward, (sp-1)/sp of each sent, PROJECTED at 450 GB/s (NVLink 4) per direction.
+run(): one rank's q [1, T, heads/sp, hd], k, v [1, T, kv heads/sp (at least 1), hd] through
+model.qwen3.sdpa_attention, forward then backward (attention once's work per layer), on the kernel
+train.py pins (flash standing in if cuDNN fails at full length); the aten op that ran is recorded;
+a time limit halves T and scales the times by T^2. compare_backends(): two kernels, same inputs.
+exchange_volumes(): the [sp, B, T/sp, heads/sp, hd] all-to-all buffers of a layer (forward,
+recompute, backward; checked in tests/test_gpu_check.py), their time PROJECTED at NVLink's rate.
 """
 
 import functools

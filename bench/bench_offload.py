@@ -4,12 +4,10 @@
     python bench/bench_offload.py --tokens 65536 --layers 4 --tile-mlp 8192
     python bench/bench_offload.py --device cpu --tiny    # tiny shapes, in seconds
 
-Forward and backward from a random [1, T, hidden] input needing grad and a random output gradient
-(no loss, no lm_head), per mode: none (no checkpointing), ckpt (torch.utils.checkpoint per
-layer), offload (model/offload.py, its host blocks reserved before step 1), save_on_cpu
-(checkpointing under torch.autograd.graph.save_on_cpu(pin_memory=True), the public recipe's) and,
-with --tile-mlp, offload_tiled. Step time: bench.timer's median of --steps after --warmup; act:
-the peak over parameters and inputs (CUDA). Targets: offload within 5% of ckpt and faster than
+Forward and backward from a random input needing grad and a random output gradient, per mode:
+none, ckpt (torch.utils.checkpoint per layer), offload (model/offload.py, host blocks reserved
+before step 1), save_on_cpu (checkpointing under torch's save_on_cpu(pin_memory=True), the public
+recipe's), offload_tiled (with --tile-mlp). Targets: offload within 5% of ckpt, faster than
 save_on_cpu. bench/gpu_check.py runs training's wrapping through build_stack and measure_mode.
 """
 
