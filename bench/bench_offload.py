@@ -6,9 +6,10 @@
 
 Forward and backward from a random input needing grad and a random output gradient, per mode:
 none, ckpt (torch.utils.checkpoint per layer), offload (model/checkpoint_offload.py, host blocks
-reserved before step 1), save_on_cpu (checkpointing under torch's save_on_cpu(pin_memory=True), the public
-recipe's), offload_tiled (with --tile-mlp). Targets: offload within 5% of ckpt, faster than
-save_on_cpu. bench/gpu_check.py runs training's wrapping through build_stack and measure_mode.
+reserved before step 1), save_on_cpu (checkpointing under torch's save_on_cpu(pin_memory=True),
+the public recipe's), offload_tiled (with --tile-mlp). Targets: offload within 5% of ckpt,
+faster than save_on_cpu. bench/gpu_check.py runs training's wrapping through build_stack and
+measure_mode.
 """
 
 import argparse
