@@ -29,8 +29,8 @@ full length, flash is tried next on CUDA and the failure recorded in backend_err
 where a T x T score matrix is small. Which aten op ran is observed with a dispatch mode on the
 warm-up run, not assumed.
 
-Exchange volumes (arithmetic on the config, checked against the tensors model/ulysses.py hands
-to all_to_all_single in tests/test_gpu_check.py): per layer each rank exchanges q, k, v
+Exchange volumes (arithmetic on the config, checked against the tensors model/ulysses_exchange.py
+hands to all_to_all_single in tests/test_gpu_check.py): per layer each rank exchanges q, k, v
 (seq_to_heads) and out (heads_to_seq) in forward, the same again when checkpointing recomputes
 the layer, and grad out, grad q, k, v in backward; each buffer is [sp, B, T/sp, heads/sp, hd]
 with kv heads repeated to sp when sp exceeds them, and (sp-1)/sp of it leaves the rank. The
@@ -59,7 +59,7 @@ from memory.plan import load_config, step_flops
 from model.attention import get_backend, pick_backend, set_backend
 from model.config import Qwen3Config
 from model.qwen3 import causal_attention
-from model.ulysses import check_heads
+from model.ulysses_exchange import check_heads
 
 GB, GiB, MiB = 1e9, 2**30, 2**20
 ATTN_BWD_FACTOR = inspect.signature(step_flops).parameters["attn_bwd_factor"].default

@@ -1,5 +1,5 @@
 """bench/gpu_check.py and bench/bench_attention.py end to end on tiny CPU shapes, so they cannot rot;
-and the exchange-volume arithmetic against the bytes model/ulysses.py really hands to
+and the exchange-volume arithmetic against the bytes model/ulysses_exchange.py hands to
 all_to_all_single, counted in two gloo processes running checkpointed (offloaded) decoder layers.
 
     pytest tests/test_gpu_check.py -q
