@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism: attention over a sequence split across sp processes, any model.
 
-To use it elsewhere: copy this file (with loss/chunked_ce.py for the loss); it needs torch, and
-transformers only for register_ulysses. README's "Use a piece in your own code" shows it on Qwen3.
+To use it elsewhere: copy this file and loss/chunked_ce.py; they need torch (and transformers for
+register_ulysses). README's "Use a piece in your own code" applies them to Qwen3ForCausalLM.
 
     model.set_attn_implementation(register_ulysses(group))   # a transformers model, sp = group
     ids, positions, targets = shard_row(input_ids, group)     # this rank's T/sp tokens
@@ -176,12 +176,12 @@ def register_ulysses(group, name: str = "ulysses") -> str:
     return name
 
 
-def shard_row(input_ids: torch.Tensor, group, labels: torch.Tensor | None = None, ignore=-100):
+def shard_row(input_ids: torch.Tensor, group, labels=None, *, ignore_index: int = -100):
     """This rank's share of whole rows input_ids [B, T] (the same on every rank of `group`).
 
     Returns (input_ids, position_ids, targets), each [B, T/sp]: rank r's tokens r*T/sp ..,
     their global positions, and the label each token predicts (the next token of `labels`,
-    default input_ids; `ignore` after the row's end), shifted over the whole row before the
+    default input_ids; ignore_index after the row's end), shifted over the whole row before the
     split, so a slice's last token predicts the first token of the next rank's slice.
     """
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -191,6 +191,6 @@ def shard_row(input_ids: torch.Tensor, group, labels: torch.Tensor | None = None
     n = T // sp
     mine = slice(rank * n, (rank + 1) * n)
     labels = input_ids if labels is None else labels
-    targets = F.pad(labels[:, 1:], (0, 1), value=ignore)  # [B, T]: token t predicts label t+1
+    targets = F.pad(labels[:, 1:], (0, 1), value=ignore_index)  # [B, T]: token t predicts t+1
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
     return input_ids[:, mine], positions[:, mine], targets[:, mine]

@@ -154,7 +154,7 @@ DRIVERS = {
 def loss_case(world):
     model, input_ids = tiny(), ids(2, 12)
     labels = input_ids.clone()
-    labels[0, :5] = -100  # a prompt not counted: the ranks count 6 and 11 labels
+    labels[0, :5] = -100  # a prompt not counted: the ranks count 7 and 11 labels
     ref = reference(copy.deepcopy(model), input_ids, labels)
     if world:
         rank = dist.get_rank()
@@ -167,7 +167,8 @@ def loss_case(world):
     return {"ref": ref, "got": got}
 
 
-done({"one process": loss_case(0), "2 ranks": on_ranks(loss_case, 2, 2)})
+two = on_ranks(loss_case, 2, 2)  # first: no torch op here yet
+done({"one process": loss_case(0), "2 ranks": two})
 """,
     "offload": r"""
 def offload_case(arch):
@@ -205,7 +206,7 @@ result = {}
 result["plain_saved"] = saved_shapes(lambda: result.update(ref=reference(plain, input_ids)))
 result["saved"] = saved_shapes(lambda: result.update(ns=snippet(model=model, input_ids=input_ids)))
 result["got"] = {"loss": result.pop("ns")["loss"].detach(), "grads": grads(model)}
-result["tokens"], result["intermediate"] = input_ids.numel(), model.config.intermediate_size
+result["batch"], result["intermediate"] = tuple(input_ids.shape), model.config.intermediate_size
 done(result)
 """,
     "ulysses": r"""
@@ -308,7 +309,7 @@ def test_readme_names_each_piece_once_with_files_that_exist():
 @pytest.mark.slow
 def test_loss_copied_alone(server, tmp_path):
     """The chunked loss from transformers' hidden states and lm_head weight, alone and with its
-    group mean on 2 ranks counting 6 and 11 labels: transformers' mean over all 17."""
+    group mean on 2 ranks counting 7 and 11 labels: transformers' mean over all 18."""
     for case, r in run_piece(server, tmp_path, "loss").items():
         assert_same(case, r["got"], r["ref"])
 
@@ -333,7 +334,8 @@ def test_tiled_mlp_copied_alone(server, tmp_path):
     assert_same("tiled", r["got"], r["ref"])
 
     def full_width(shapes):
-        tokens = ((2, 13), (26,))  # [B, T, intermediate] or [B * T, intermediate]
+        B, T = r["batch"]
+        tokens = ((B, T), (B * T,))  # [B, T, intermediate] or [B * T, intermediate]
         return [s for s in shapes if s[-1:] == (r["intermediate"],) and s[:-1] in tokens]
 
     assert full_width(r["plain_saved"]), "the plain MLP saves [tokens, intermediate] tensors"
