@@ -25,7 +25,7 @@ from bench.timer import measure, sync
 from memory.plan import load_config, step_flops
 from model.attention import get_backend, pick_backend, set_backend
 from model.qwen3 import causal_attention
-from model.ulysses import check_heads
+from model.ulysses_exchange import check_heads
 
 GB = 1e9
 ATTN_BWD_FACTOR = inspect.signature(step_flops).parameters["attn_bwd_factor"].default

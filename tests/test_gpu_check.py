@@ -1,5 +1,5 @@
 """bench/gpu_check.py end to end and bench/bench_attention.py on tiny CPU shapes, so they cannot
-rot; and the exchange-volume arithmetic against the bytes model/ulysses.py really hands to
+rot; and the exchange-volume arithmetic against the bytes model/ulysses_exchange.py hands to
 all_to_all_single, counted in two gloo processes running checkpointed (offloaded) decoder layers.
 
     pytest tests/test_gpu_check.py -q
