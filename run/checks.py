@@ -16,6 +16,7 @@ import math
 import os
 
 from model.config import PRESETS as MODEL_PRESETS
+from data.synthetic import MIN_SEQ_LEN
 from model.config import ConfigError, Qwen3Config
 from run.checkpoint import problem as checkpoint_problem
 from run.rundir import (
@@ -250,6 +251,11 @@ def check_data(
 
     src = cfg.data
     try:
+        if src.startswith("synthetic:") and cfg.seq_len < MIN_SEQ_LEN:
+            raise ConfigError(
+                f"--seq-len {cfg.seq_len}: --data {src} makes rows of at least {MIN_SEQ_LEN} "
+                f"tokens; use --seq-len {MIN_SEQ_LEN} or more"
+            )
         if src.startswith(("synthetic:", "tokens:")):
             build_rows(
                 src,
@@ -268,7 +274,9 @@ def check_data(
             )
         from data import sources
 
-        if not sources.is_hub_source(src):
+        if sources.is_hub_source(src):
+            check_hub_source(cfg)
+        else:
             sources.local_files(src)
         if (
             model_dir is None
@@ -288,6 +296,40 @@ def check_data(
         raise ConfigError(
             f"the tokenizer in {model_dir} has {len(tok):,} tokens but the model's vocabulary is "
             f"{mc.vocab_size:,}: they do not belong together; pass the model's own directory"
+        )
+
+
+def hub_problem(repo_id: str, timeout: float = 5.0) -> str | None:
+    """Why the hub's dataset `repo_id` cannot be reached now, or None: one metadata request of
+    at most `timeout` seconds (streaming it would retry for half a minute before failing)."""
+    try:
+        from huggingface_hub import HfApi
+
+        HfApi().dataset_info(repo_id, timeout=timeout)
+    except Exception as e:  # offline, DNS, a proxy, HF_HUB_OFFLINE: each has its own type
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    return None
+
+
+def check_hub_source(cfg) -> None:
+    """A hub source (pg19, hf:...) is streamed unless the token cache has its rows already:
+    without a cache entry for it, the hub must answer now."""
+    from data.cache import entries_named, token_cache_dir
+    from data.rows import cache_name
+    from data.sources import hub_id_and_split
+
+    cache = token_cache_dir(cfg.cache_dir)
+    if entries_named(cache, cache_name(cfg.data, cfg.seq_len, cfg.seed)):
+        return
+    repo, split = hub_id_and_split(cfg.data)
+    why = hub_problem(repo)
+    if why:
+        raise ConfigError(
+            f"--data {cfg.data}: the Hugging Face hub does not answer ({why}) and {cache} holds no "
+            f"token cache of these rows. Offline: on a machine with internet run "
+            f"`huggingface-cli download {repo} --repo-type dataset --local-dir DIR`, copy DIR "
+            f"here and pass --data 'DIR/data/{split}-*.parquet'"
         )
 
 
