@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.api import CheckpointException
 
 from data.loader import RowLoader
 from model.config import ConfigError
@@ -227,7 +228,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     with torch.load(weights_only=True): plain values only. Tensors DCP reads that way itself."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        plain = torch.load(value, weights_only=True)
+        try:
+            plain = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(_refusal(f"its item {read_item.dest_index.fqn}", e)) from None
         again = io.BytesIO()
         torch.save(plain, again)  # what the default planner reads is now only plain values
         again.seek(0)
@@ -235,8 +239,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def _first_line(e: BaseException) -> str:
+    """'Type: first line' of an exception; for DCP's CheckpointException, of the first rank's."""
+    if isinstance(e, CheckpointException) and e.failures:  # {rank: (exception, traceback)}
+        e = next(iter(e.failures.values()))[0]
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def _refusal(what: str, e: pickle.UnpicklingError) -> str:
+    """One line for something torch.load(weights_only=True) would not read, naming what."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+    names = f"it refers to {found.group(1)}" if found else _first_line(e)
+    return f"{what} holds more than plain tensors ({names}), so it was not loaded (weights_only)"
 
 
 def _read_rng(path: str) -> dict:
@@ -245,10 +259,7 @@ def _read_rng(path: str) -> dict:
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(
-            f"{name} holds more than plain tensors, so it was not loaded (weights_only refused "
-            f"it: {str(e).strip().splitlines()[0]})"
-        ) from None
+        raise ValueError(_refusal(name, e)) from None
     except Exception as e:
         raise ValueError(f"{name} does not load ({_first_line(e)})") from None
 
@@ -483,7 +494,9 @@ def resume(
         if why is None:
             try:
                 return load_checkpoint(path, model, optimizer, loader, rank, seed=seed), skipped
-            except Exception as e:  # DCP raises the same on every rank (it gathers failures)
+            # DCP raises the same on every rank: it gathers their failures into a
+            # CheckpointException (a BaseException)
+            except (Exception, CheckpointException) as e:
                 why = f"it did not load ({_first_line(e)})"
                 overwritten = True
         skipped.append((name, why))

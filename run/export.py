@@ -18,8 +18,9 @@ import shutil
 import torch
 import torch.distributed as dist
 
+import run.checkpoint  # free_bytes through the module: the one place that asks the filesystem
 from model.weights import save_safetensors
-from run.checkpoint import DiskSpaceError, bytes_needed, checkpoints, free_bytes
+from run.checkpoint import DiskSpaceError, bytes_needed, checkpoints
 
 
 def export_bytes(model: torch.nn.Module, dtype: torch.dtype) -> int:
@@ -39,7 +40,7 @@ def export_final(
     rank = dist.get_rank() if dist.is_initialized() else 0
     parent = os.path.dirname(os.path.abspath(path))
     need = bytes_needed(export_bytes(model, dtype))
-    free = [float(free_bytes(parent)) if rank == 0 else 0.0]  # only rank 0 writes
+    free = [float(run.checkpoint.free_bytes(parent)) if rank == 0 else 0.0]  # rank 0 writes
     if dist.is_initialized():
         dist.broadcast_object_list(free, src=0)
     if free[0] < need:
