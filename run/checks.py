@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 import os
 
-from model.config import PRESETS as MODEL_PRESETS
 from data.synthetic import MIN_SEQ_LEN
+from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError, Qwen3Config
 from run.checkpoint import problem as checkpoint_problem
 from run.rundir import (
@@ -246,7 +246,8 @@ def check_data(
     cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, num_rows: int
 ) -> None:
     """Token files: integer ids in [0, vocab) and enough of them; synthetic sets: their shape;
-    text: the source exists and the model's tokenizer loads, fits the vocabulary and has the eos token."""
+    text: the source exists (a hub source: the hub answers, or the token cache has its rows) and
+    the model's tokenizer loads, fits the vocabulary and has the eos token."""
     from data import build_rows
 
     src = cfg.data
