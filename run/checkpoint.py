@@ -64,7 +64,7 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "MANIFEST.json"
 TRAIN_STATE = "train_state.json"
 DCP_METADATA = ".metadata"
-FORMAT = 2  # train_state.json's layout
+FORMAT = 1  # the version of train_state.json's fields, checked on load
 CHUNK = 16 << 20  # bytes per read while checksumming: large enough that crc32 dominates
 
 
@@ -267,6 +267,8 @@ def _read_rng(path: str) -> dict:
 def _read_train_state(path: str) -> dict:
     with open(os.path.join(path, TRAIN_STATE)) as f:
         state = json.load(f)
+    if state.get("format") != FORMAT:
+        raise ValueError(f"its format is {state.get('format')!r}; this trainer reads {FORMAT}")
     for key in ("step", "data", "world", "sp", "dp"):
         if key not in state:
             raise ValueError(f"it has no {key!r}")
@@ -283,7 +285,7 @@ def problem(path: str) -> str | None:
     try:
         files = read_manifest(path)
     except FileNotFoundError:
-        return f"it has no {MANIFEST} (written last: the write did not finish)"
+        return f"it has no {MANIFEST} (written last: its write did not finish, or it is none)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its {MANIFEST} does not read ({_first_line(e)})"
     for name, want in files.items():
@@ -385,11 +387,13 @@ def save_checkpoint(out: str, step: int, model, optimizer, loader, rank: int, ke
         with open(os.path.join(tmp, TRAIN_STATE), "w") as f:
             json.dump(state, f, indent=1)
     dist.barrier()
-    # ---- checksums: rank 0 lists the files once (one list for all, whatever a shared
-    # filesystem's caches show each node), every rank reads its share, rank 0 writes them last
-    names = [sorted(os.listdir(tmp)) if rank == 0 else None]
-    dist.broadcast_object_list(names, src=0)
-    mine = {n: file_record(os.path.join(tmp, n)) for n in _share(names[0])}
+    # ---- checksums: the union of every rank's listing (a shared filesystem's directory cache
+    # may not show one node the files another just wrote, but each sees its own), every rank
+    # reads its share, and rank 0 writes them last
+    seen: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(seen, os.listdir(tmp))
+    names = sorted(set().union(*seen))
+    mine = {n: file_record(os.path.join(tmp, n)) for n in _share(names)}
     parts: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(parts, mine)
     if rank == 0:
