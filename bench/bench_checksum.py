@@ -3,7 +3,7 @@
     python bench/bench_checksum.py                  # a 1 GiB file, 3 passes from the page cache
     python bench/bench_checksum.py --gib 4 --gpus 8
 
-run/checkpoint.file_record (the function saves and verify() use) reads a file of random bytes
+run/manifest.file_record (what checkpoint saves and verify() use) reads a file of random bytes
 written here, so it comes from the page cache, as a shard just written (at save) or recently
 read does: the rate is crc32's plus the copy out of the cache, not the disk's. The projection
 is the recipe's checkpoint, Qwen3-8B's fp32 parameters and AdamW's two fp32 moments
@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model.config import Qwen3Config  # noqa: E402
-from run.checkpoint import file_record  # noqa: E402
+from run.manifest import file_record  # noqa: E402
 
 BYTES_PER_PARAM = 4 + 4 + 4  # fp32 master weight, exp_avg, exp_avg_sq
 

@@ -25,10 +25,10 @@ train state) and verify() adds every file's crc32 (each rank reads its share, so
 checkpoint is read once). resume() takes the first candidate that verifies and loads; the ones
 it passes over come back with the reason, a DCP load that fails included.
 
-Nothing in a checkpoint can run code when it is read: the per-rank files are read with
-torch.load(weights_only=True), DCP's .metadata (a pickle) is first read with an unpickler that
-knows only DCP's own metadata classes, and DCP's non-tensor items (optimizer hyperparameters)
-are read with weights_only=True too (SafeLoadPlanner). A file that needs more is refused by name.
+Nothing in a checkpoint can run code when it is read (run/safe_load.py): the per-rank files are
+read with torch.load(weights_only=True), DCP's .metadata is checked with an unpickler that knows
+only DCP's metadata classes before DCP reads it, and DCP's non-tensor items go through
+SafeLoadPlanner. A file that needs more is refused by name. The manifest is run/manifest.py.
 
 Resuming on another layout: DCP reshards model and optimizer; the loader continues at the saved
 global row, so the new dp ranks read the rows a run of the new layout would read next; RNG state
@@ -41,31 +41,25 @@ checkpoint stays as it was. free_bytes() is the one place that asks the filesyst
 
 from __future__ import annotations
 
-import importlib
-import io
 import json
 import os
-import pickle
 import re
 import shutil
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from data.loader import RowLoader
 from model.config import ConfigError
+from run.manifest import MANIFEST, file_record, read_manifest, write_manifest
+from run.safe_load import DCP_METADATA, SafeLoadPlanner, load_plain, read_dcp_metadata
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
-MANIFEST = "MANIFEST.json"
 TRAIN_STATE = "train_state.json"
-DCP_METADATA = ".metadata"
 FORMAT = 1  # the version of train_state.json's fields, checked on load
-CHUNK = 16 << 20  # bytes per read while checksumming: large enough that crc32 dominates
 
 
 class DiskSpaceError(RuntimeError):
@@ -146,33 +140,8 @@ def checkpoints(out: str) -> list[tuple[int, str]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checksums and the manifest
+# Ranks sharing the reading
 # ---------------------------------------------------------------------------------------------
-def file_record(path: str) -> dict[str, int]:
-    """{"size", "crc32"} of one file, read once in CHUNK-sized pieces."""
-    crc, size = 0, 0
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(view):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-    return {"size": size, "crc32": crc}
-
-
-def write_manifest(path: str, records: dict[str, dict[str, int]]) -> None:
-    """MANIFEST.json in checkpoint directory `path`, under a temporary name and renamed."""
-    tmp = os.path.join(path, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"files": dict(sorted(records.items()))}, f, indent=1)
-    os.replace(tmp, os.path.join(path, MANIFEST))
-
-
-def read_manifest(path: str) -> dict[str, dict[str, int]]:
-    with open(os.path.join(path, MANIFEST)) as f:
-        return json.load(f)["files"]
-
-
 def _share(names: list[str]) -> list[str]:
     """This rank's share of `names` (all of them without a process group)."""
     if not dist.is_initialized():
@@ -189,79 +158,12 @@ def _first_reason(mine: str | None) -> str | None:
     return next((r for r in reasons if r is not None), None)
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading without running code
-# ---------------------------------------------------------------------------------------------
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's .metadata and nothing else: the classes DCP defines for it, torch's
-    Size, dtypes and layouts, and paths. Anything else is refused before it is called."""
-
-    MODULES = {  # module: the names from it (None: any class the module itself defines)
-        "torch.distributed.checkpoint.metadata": None,
-        "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-        "torch.serialization": {"_get_layout"},
-        "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-        "collections": {"OrderedDict"},
-    }
-
-    def find_class(self, module: str, name: str):
-        if module == "torch" and (
-            name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)
-        ):
-            return getattr(torch, name)
-        allowed = self.MODULES.get(module, set())
-        if "." not in name and (allowed is None or name in allowed):
-            obj = getattr(importlib.import_module(module), name, None)
-            if allowed is not None or (isinstance(obj, type) and obj.__module__ == module):
-                return obj
-        raise pickle.UnpicklingError(f"it refers to {module}.{name}")
-
-
-def read_dcp_metadata(path: str):
-    """DCP's Metadata of the checkpoint at `path`, read without running anything it names."""
-    with open(os.path.join(path, DCP_METADATA), "rb") as f:
-        return _MetadataUnpickler(f).load()
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but a non-tensor item (an optimizer hyperparameter) is read
-    with torch.load(weights_only=True): plain values only. Tensors DCP reads that way itself."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        try:
-            plain = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise ValueError(_refusal(f"its item {read_item.dest_index.fqn}", e)) from None
-        again = io.BytesIO()
-        torch.save(plain, again)  # what the default planner reads is now only plain values
-        again.seek(0)
-        super().load_bytes(read_item, again)
-
-
 def _first_line(e: BaseException) -> str:
     """'Type: first line' of an exception; for DCP's CheckpointException, of the first rank's."""
     if isinstance(e, CheckpointException) and e.failures:  # {rank: (exception, traceback)}
         e = next(iter(e.failures.values()))[0]
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-
-
-def _refusal(what: str, e: pickle.UnpicklingError) -> str:
-    """One line for something torch.load(weights_only=True) would not read, naming what."""
-    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
-    names = f"it refers to {found.group(1)}" if found else _first_line(e)
-    return f"{what} holds more than plain tensors ({names}), so it was not loaded (weights_only)"
-
-
-def _read_rng(path: str) -> dict:
-    """A rank's RNG file: tensors only, or an error naming the file."""
-    name = os.path.basename(path)
-    try:
-        return torch.load(path, weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ValueError(_refusal(name, e)) from None
-    except Exception as e:
-        raise ValueError(f"{name} does not load ({_first_line(e)})") from None
 
 
 def _read_train_state(path: str) -> dict:
@@ -331,7 +233,7 @@ def verify(path: str) -> str | None:
                 break
             if name.startswith("rng_rank"):
                 try:
-                    _read_rng(os.path.join(path, name))
+                    load_plain(os.path.join(path, name))
                 except ValueError as e:
                     why = str(e)
                     break
@@ -454,7 +356,7 @@ def load_checkpoint(path: str, model, optimizer, loader, rank: int, *, seed: int
     loader.load_state_dict(state["data"])
     step = int(state["step"])
     if written == loaded:  # the same ranks in the same places: each its own RNG stream
-        rng = _read_rng(os.path.join(path, rng_file(rank)))
+        rng = load_plain(os.path.join(path, rng_file(rank)))
         torch.set_rng_state(rng["cpu"])
         if rng["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

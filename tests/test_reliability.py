@@ -402,7 +402,7 @@ def _save_small_checkpoint(rank, world, out):
 
 def _replace(ckpt, name, obj):
     """Put `obj`'s pickle at ckpt/name and rewrite the manifest to match, as a forger would."""
-    from run.checkpoint import MANIFEST, file_record, write_manifest
+    from run.manifest import MANIFEST, file_record, write_manifest
 
     if name.endswith(".pt"):
         torch.save(obj, os.path.join(ckpt, name))
@@ -420,7 +420,8 @@ def test_checkpoint_files_that_would_run_code_are_refused_by_name(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from run.checkpoint import SafeLoadPlanner, verify
+    from run.checkpoint import verify
+    from run.safe_load import SafeLoadPlanner
 
     marker = tmp_path / "MARKER"
     (good,) = dist_utils.run_distributed(_save_small_checkpoint, 1, str(tmp_path / "run"))
