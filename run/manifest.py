@@ -6,9 +6,9 @@
 
 crc32 (zlib's) because it is the fastest checksum in the standard library: 2.0-2.3 GB/s on one
 idle EPYC core from the page cache (bench/bench_checksum.py), so a rank's 12 GB share of the
-recipe's checkpoint takes ~6 s. It catches flipped bits and torn writes, not a forger: a manifest can be rewritten
-to match forged files, which is why nothing in a checkpoint is read in a way that runs code
-(run/safe_load.py).
+recipe's checkpoint takes ~6 s. It catches flipped bits and torn writes, not a forger: a
+manifest can be rewritten to match forged files, which is why nothing in a checkpoint is read
+in a way that runs code (run/safe_load.py).
 """
 
 from __future__ import annotations
