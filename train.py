@@ -56,8 +56,9 @@ from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
 from model.parallel import build_mesh, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention
-from run.checkpoint import DiskSpaceError, find_checkpoint, load_checkpoint, save_checkpoint
+from run.checkpoint import DiskSpaceError, checkpoints, resume, rows_to_read, save_checkpoint
 from run.checks import CHOICES, check_flags, check_layout, check_run, open_run_dir, resolve_model
+from run.export import export_final
 from run.guard import NonFiniteGuard, RunStopped
 from run.quiet import quiet_known_warnings
 from run.report import ReportError, check_available, parse_report_to
@@ -615,20 +616,27 @@ def reserve_host_blocks(pool, cfg, mc, sp, dtype, device, save_attention: bool) 
 
 
 def resume_from(cfg, model, optimizer, loader, rank) -> int:
-    """The step to start at: 0, or the step of the checkpoint --resume names or finds."""
+    """The step to start at: 0, or the step of the checkpoint --resume names, or (auto) of the
+    newest one that verifies and loads, saying which it passed over and why."""
     if not cfg.resume:
         return 0
-    path = cfg.resume
-    if cfg.resume == "auto":
-        path, skipped = find_checkpoint(cfg.out)
-        for name, why in skipped:
-            log0(f"resume: skipped {name}: {why}")
-        if path is None:
-            log0(f"resume: no loadable checkpoint in {cfg.out}/checkpoints; starting at step 0")
-            return 0
-    start = load_checkpoint(path, model, optimizer, loader, rank)
-    log0(f"resumed from {path} at step {start}")
-    return start
+    auto = cfg.resume == "auto"
+    paths = [p for _, p in reversed(checkpoints(cfg.out))] if auto else [cfg.resume]
+    resumed, skipped = resume(paths, model, optimizer, loader, rank, seed=cfg.seed)
+    if resumed is None and not auto:
+        raise ConfigError(
+            f"--resume {cfg.resume}: not a loadable checkpoint ({skipped[0][1]}); pass another "
+            f"step_* directory under OUT/checkpoints, or --resume auto"
+        )
+    for name, why in skipped:
+        log0(f"resume: skipped {name}: {why}")
+    if resumed is None:
+        log0(f"resume: no loadable checkpoint in {cfg.out}/checkpoints; starting at step 0")
+        return 0
+    if resumed.change:
+        log0(resumed.change)
+    log0(f"resumed from {resumed.path} at step {resumed.step}")
+    return resumed.step
 
 
 def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: torch.device) -> None:
@@ -642,7 +650,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     # tokenised once per node and cached)
     cache = cfg.cache_dir or os.environ.get("QWEN3_1M_CACHE")
     cache = cache or os.path.expanduser("~/.cache/qwen3-1m")
-    rows_needed = cfg.steps * cfg.grad_accum * dp
+    rows_needed = rows_to_read(cfg.out, cfg.resume, cfg.steps, cfg.grad_accum * dp)
     rows = build_rows(
         cfg.data,
         model_dir,
@@ -769,12 +777,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         checkpoint(cfg.steps)
     final = os.path.join(cfg.out, "final")
     if cfg.save_final:
-        from model.weights import save_safetensors
-
         save_dtype = getattr(torch, cfg.save_dtype)
-        save_safetensors(
-            model, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0
-        )
+        export_final(model, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0)
         log0(f"saved {final} (Hugging Face layout)")
     log0_outputs(cfg, log, final)
 

@@ -54,14 +54,31 @@ def sha256_of(array: np.ndarray, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+def token_cache_dir(flag: str = "") -> str:
+    """Where token caches live: --cache-dir, else $QWEN3_1M_CACHE, else ~/.cache/qwen3-1m."""
+    chosen = flag or os.environ.get("QWEN3_1M_CACHE")
+    return chosen or os.path.expanduser("~/.cache/qwen3-1m")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:48] or "rows"
+
+
+def entries_named(cache_dir: str | os.PathLike, name: str) -> list[str]:
+    """The .npy files of the entries made under `name` in cache_dir, whatever their key."""
+    pattern = re.compile(re.escape(_slug(name)) + r"-[0-9a-f]{16}\.npy$")
+    if not os.path.isdir(cache_dir):
+        return []
+    return sorted(os.path.join(cache_dir, f) for f in os.listdir(cache_dir) if pattern.match(f))
+
+
 class CacheEntry:
     """One cached token array: `<name>-<key hash>.npy`, its `.json` and its `.lock`."""
 
     def __init__(self, cache_dir: str | os.PathLike, name: str, key: dict[str, Any]):
         self.key = _normalise({"format": FORMAT_VERSION, **key})
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._")[:48] or "rows"
-        stem = os.path.join(os.fspath(cache_dir), f"{slug}-{digest}")
+        stem = os.path.join(os.fspath(cache_dir), f"{_slug(name)}-{digest}")
         self.npy, self.json, self.lock_path = stem + ".npy", stem + ".json", stem + ".lock"
 
     @contextlib.contextmanager

@@ -135,3 +135,8 @@ class RowLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.next_row = int(state["next_row"])
+
+    @staticmethod
+    def rows_consumed(state: dict[str, int]) -> int:
+        """Rows all dp ranks together have read before the step a state_dict() resumes at."""
+        return int(state["next_row"])

@@ -138,6 +138,16 @@ def _synthetic_rows(source, tokenizer, seq_len, num_rows, vocab_size, seed) -> C
     return CopyRows(seq_len, num_rows, int(vocab_size), seed=seed, mode=mode)
 
 
+def cache_name(source: str, seq_len: int, seed: int) -> str:
+    """The name a text source's token cache goes under (its key adds the tokenizer and more)."""
+    name = (
+        source.replace("hf:", "")
+        if sources.is_hub_source(source)
+        else os.path.basename(source.rstrip("/"))
+    )
+    return f"{name}-L{seq_len}-seed{seed}"
+
+
 def _text_rows(
     source,
     tokenizer,
@@ -160,12 +170,7 @@ def _text_rows(
         "seq_len": seq_len,
         "seed": seed,
     }
-    name = (
-        source.replace("hf:", "")
-        if sources.is_hub_source(source)
-        else os.path.basename(source.rstrip("/"))
-    )
-    entry = CacheEntry(cache_dir, f"{name}-L{seq_len}-seed{seed}", key)
+    entry = CacheEntry(cache_dir, cache_name(source, seq_len, seed), key)
     with entry.locked():
         tokens = entry.load(num_rows, verify=verify)
         built = tokens is None

@@ -27,6 +27,8 @@ import math
 
 import numpy as np
 
+MIN_SEQ_LEN = 16  # the shortest row made: halves of 8 tokens, the second one span
+
 
 class CopyRows:
     """num_rows rows of seq_len + 1 tokens in [0, vocab_size); see the module docstring."""
@@ -43,9 +45,9 @@ class CopyRows:
         if mode not in ("spans", "repeat"):
             raise ValueError(f"CopyRows mode must be 'spans' or 'repeat', got {mode!r}")
         self.mode = mode
-        if seq_len < 16 or num_rows < 1 or vocab_size < 2:
+        if seq_len < MIN_SEQ_LEN or num_rows < 1 or vocab_size < 2:
             raise ValueError(
-                f"CopyRows needs seq_len >= 16, num_rows >= 1 and vocab_size >= 2; "
+                f"CopyRows needs seq_len >= {MIN_SEQ_LEN}, num_rows >= 1 and vocab_size >= 2; "
                 f"got {seq_len}, {num_rows}, {vocab_size}"
             )
         self.seq_len, self.num_rows, self.vocab_size, self.seed = (

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 
+from data.synthetic import MIN_SEQ_LEN
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError, Qwen3Config
 from run.checkpoint import problem as checkpoint_problem
@@ -143,8 +144,8 @@ def check_flags(cfg) -> None:
         )
         if why:
             raise ConfigError(
-                f"--resume {cfg.resume}: not a loadable checkpoint ({why}); pass a step_* directory "
-                f"under OUT/checkpoints, or --resume auto"
+                f"--resume {cfg.resume}: not a loadable checkpoint ({why}); pass a step_* "
+                f"directory under OUT/checkpoints, or --resume auto"
             )
 
 
@@ -162,8 +163,8 @@ def resolve_model(
         mc, path = _from_hf(name), name
         if weights and not any(f.endswith(".safetensors") for f in os.listdir(name)):
             raise ConfigError(
-                f"--model {name}: no .safetensors weights in it; pass a Hugging Face model directory "
-                f"(config.json + *.safetensors), or a preset for random init"
+                f"--model {name}: no .safetensors weights in it; pass a Hugging Face model "
+                f"directory (config.json + *.safetensors), or a preset for random init"
             )
     elif os.path.isfile(name):
         raise ConfigError(
@@ -271,11 +272,17 @@ def check_data(
     cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, num_rows: int
 ) -> None:
     """Token files: integer ids in [0, vocab) and enough of them; synthetic sets: their shape;
-    text: the source exists and the model's tokenizer loads, fits the vocabulary and has the eos token."""
+    text: the source exists (a hub source: the hub answers, or the token cache has its rows) and
+    the model's tokenizer loads, fits the vocabulary and has the eos token."""
     from data import build_rows
 
     src = cfg.data
     try:
+        if src.startswith("synthetic:") and cfg.seq_len < MIN_SEQ_LEN:
+            raise ConfigError(
+                f"--seq-len {cfg.seq_len}: --data {src} makes rows of at least {MIN_SEQ_LEN} "
+                f"tokens; use --seq-len {MIN_SEQ_LEN} or more"
+            )
         if src.startswith(("synthetic:", "tokens:")):
             build_rows(
                 src,
@@ -294,7 +301,9 @@ def check_data(
             )
         from data import sources
 
-        if not sources.is_hub_source(src):
+        if sources.is_hub_source(src):
+            check_hub_source(cfg)
+        else:
             sources.local_files(src)
         if (
             model_dir is None
@@ -364,6 +373,40 @@ def agree_on_host_memory(cfg, origin: str) -> str:
         return origin
     cfg.host_mem_gb = min(values)
     return f"the smallest over the {len(values)} ranks' host memory"
+
+
+def hub_problem(repo_id: str, timeout: float = 5.0) -> str | None:
+    """Why the hub's dataset `repo_id` cannot be reached now, or None: one metadata request of
+    at most `timeout` seconds (streaming it would retry for half a minute before failing)."""
+    try:
+        from huggingface_hub import HfApi
+
+        HfApi().dataset_info(repo_id, timeout=timeout)
+    except Exception as e:  # offline, DNS, a proxy, HF_HUB_OFFLINE: each has its own type
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    return None
+
+
+def check_hub_source(cfg) -> None:
+    """A hub source (pg19, hf:...) is streamed unless the token cache has its rows already:
+    without a cache entry for it, the hub must answer now."""
+    from data.cache import entries_named, token_cache_dir
+    from data.rows import cache_name
+    from data.sources import hub_id_and_split
+
+    cache = token_cache_dir(cfg.cache_dir)
+    if entries_named(cache, cache_name(cfg.data, cfg.seq_len, cfg.seed)):
+        return
+    repo, split = hub_id_and_split(cfg.data)
+    why = hub_problem(repo)
+    if why:
+        raise ConfigError(
+            f"--data {cfg.data}: the Hugging Face hub does not answer ({why}) and {cache} holds no "
+            f"token cache of these rows. Offline: on a machine with internet run "
+            f"`huggingface-cli download {repo} --repo-type dataset --local-dir DIR`, copy DIR "
+            f"here and pass --data 'DIR/data/{split}-*.parquet'"
+        )
 
 
 # ---- all of it --------------------------------------------------------------------------------

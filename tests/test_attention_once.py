@@ -18,8 +18,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.attention import MATH_MAX_TOKENS, AttentionStore, attention, pick_backend, set_backend
-from model.config import Qwen3Config
 from model.checkpoint_offload import apply_offload
+from model.config import Qwen3Config
 from model.host_pool import host_block_bytes
 from model.qwen3 import Qwen3
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
 
-from model.config import Qwen3Config
 from model.checkpoint_offload import apply_offload, offload_layers, remove_offload
+from model.config import Qwen3Config
 from model.host_pool import HostPool, host_block_bytes, host_bytes_for
 from model.qwen3 import MLP, DecoderLayer, Qwen3, rope_cos_sin
 from model.tiled_mlp import set_mlp_tiling, tiled_mlp

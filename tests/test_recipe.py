@@ -10,6 +10,7 @@ first, after real updates.
 """
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -273,6 +274,72 @@ def test_resume_dp2_sp2_bf16_is_bit_exact(env):
     resumed = metrics(d / "bf16-resumed")
     assert [r["step"] for r in resumed] == [3, 4]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in metrics(straight)[2:]]
+
+
+def dcp_state(path, to) -> dict:
+    """A DCP checkpoint as full tensors: {"model": {name: tensor}, "optim": {"state": ...}}."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), str(to))
+    return torch.load(str(to), weights_only=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["sp2", "1proc"])
+def test_resume_on_another_layout_continues_the_rows(env, layout):
+    """The dp 2 x sp 2 run's step-2 checkpoint (4 processes, bf16) resumed on sp 2 (2 processes)
+    and on 1 process, in fp32, for step 3, which is the cosine schedule's lr-0 last step of a
+    3-step run (see the module docstring), so the final export holds the parameters as loaded:
+      * they equal the checkpoint's model state exactly (DCP resharded 4 shards into 2 or 1);
+      * step 3 reads row 4: the 4 rows the writer consumed (2 steps x dp 2) are passed, and a
+        dp-1 run continuing from there reads row 4 next. Its loss is transformers' at those
+        parameters on row 4 to fp32 rounding (loss 1e-5, gradient norm 1e-4), and every other
+        row misses one of the two by 10x;
+      * AdamW's state came along (its step count reads 3 after one more step, not 1), and the
+        new checkpoint records 5 rows consumed and the layout that wrote it."""
+    d, _ = env
+    writer, _ = _bf16(env, "dp2xsp2")
+    ckpt = writer / "checkpoints" / "step_000002"
+    n, flags, _ = LAYOUTS[layout]
+    out = d / f"resumed-{layout}"
+    p = run_train(
+        n,
+        *_args(d, "model", steps=3),
+        *flags,
+        "--save-every",
+        "3",
+        "--out",
+        str(out),
+        "--resume",
+        str(ckpt),
+    )
+    now = "2 processes (sp 2)" if n == 2 else "1 process"
+    assert f"resume: written by 4 processes (dp 2 x sp 2), loading on {now}: " in p.stdout
+    assert "data from row 4" in p.stdout and f"resumed from {ckpt} at step 2" in p.stdout
+    saved = dcp_state(ckpt, d / f"ckpt2-{layout}.pt")
+    got = final(out)
+    assert set(got) == set(saved["model"]) and got
+    assert all(torch.equal(got[k], saved["model"][k]) for k in got)
+
+    m = metrics(out)
+    assert [r["step"] for r in m] == [3] and m[0]["lr"] == 0.0
+    ref = reference(CFG, got)
+    rows = np.load(d / "tokens.npy")
+    losses = [loss_and_norm(ref, rows[r : r + 1])[:2] for r in range(ROWS)]
+    print(f"{layout}: step 3 loss {m[0]['loss']:.7f}; transformers per row", losses)
+    assert m[0]["loss"] == pytest.approx(losses[4][0], rel=1e-5)
+    assert m[0]["grad_norm"] == pytest.approx(losses[4][1], rel=1e-4)
+    for r, (loss, norm) in enumerate(losses):  # any other row misses one of them by 10x
+        far = abs(loss / m[0]["loss"] - 1) > 1e-4 or abs(norm / m[0]["grad_norm"] - 1) > 1e-3
+        assert far or r == 4, r
+
+    after = out / "checkpoints" / "step_000003"
+    with open(after / "train_state.json") as f:
+        state = json.load(f)
+    assert state["data"] == {"next_row": 5} and state["step"] == 3
+    assert (state["world"], state["sp"], state["dp"]) == (n, n, 1)
+    optim = dcp_state(after, d / f"ckpt3-{layout}.pt")["optim"]["state"]
+    assert set(optim) == set(got) and {float(v["step"]) for v in optim.values()} == {3.0}
 
 
 # ---------------------------------------------------------------------------------------------

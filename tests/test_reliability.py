@@ -10,10 +10,13 @@ import functools
 import json
 import math
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import types
 
 import dist_utils
 import numpy as np
@@ -138,6 +141,10 @@ def _cases(d):
         (model + ["--resume", str(d / "nowhere")], ["--resume", "--resume auto"]),
         (model + ["--sp", "3"], ["--sp 3", "divisor"]),
         (model + ["--loss-on", "predictable"], ["--loss-on predictable", "--loss-on all"]),
+        (
+            model[:2] + ["--data", "synthetic:copy", "--seq-len", "1", "--steps", "2"],
+            ["--seq-len 1", "synthetic:copy", "--seq-len 16"],
+        ),
         (
             [
                 "--model",
@@ -293,21 +300,54 @@ def test_rerun_is_refused_and_overwrite_moves_the_old_run_aside(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Resume after anything
 # ---------------------------------------------------------------------------------------------
+def dcp_load_fails_once():
+    """Setup for a train.py rank: the first torch.distributed.checkpoint.load raises, as DCP does
+    on every rank when a read fails after the checks passed."""
+    import torch.distributed.checkpoint as dcp
+
+    real, calls = dcp.load, [0]
+
+    def load(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected: a shard read failed")
+        return real(*args, **kwargs)
+
+    dcp.load = load
+
+
 @pytest.mark.slow
-def test_resume_auto_skips_a_truncated_latest_and_leaves_no_duplicate(tmp_path):
+def test_resume_auto_skips_damaged_checkpoints_and_leaves_no_duplicate(tmp_path):
+    """Four checkpoints, the newest three spoilt three ways: step 4's shard cut short, one byte
+    of step 3's shard flipped (full length, so only the checksum sees it), step 2's DCP load
+    failing. --resume auto names each with its reason, resumes from step 1, cuts metrics.jsonl
+    back to it, and ends with exactly the straight run's losses."""
     ok(run(tiny_run(tmp_path / "a", "--steps", "5")))
     straight = [m["loss"] for m in metrics(tmp_path / "a")]
     out = tmp_path / "b"
-    ok(run(tiny_run(out, "--steps", "5", "--save-every", "1", "--stop-after", "3")))
-    assert sorted(os.listdir(out / "checkpoints")) == ["LATEST", "step_000002", "step_000003"]
-    shard = next(
-        f for f in os.listdir(out / "checkpoints" / "step_000003") if f.endswith(".distcp")
-    )
-    with open(out / "checkpoints" / "step_000003" / shard, "r+b") as f:  # a copy cut short
+    keep_all = ["--save-every", "1", "--keep-checkpoints", "0"]
+    ok(run(tiny_run(out, "--steps", "5", *keep_all, "--stop-after", "4")))
+    ck = out / "checkpoints"
+    assert sorted(os.listdir(ck)) == ["LATEST"] + [f"step_00000{s}" for s in (1, 2, 3, 4)]
+    shard = next(f for f in os.listdir(ck / "step_000004") if f.endswith(".distcp"))
+    with open(ck / "step_000004" / shard, "r+b") as f:  # a copy cut short
         f.truncate(100)
-    p = ok(run(tiny_run(out, "--steps", "5", "--resume", "auto")))
-    assert f"skipped step_000003: {shard} is truncated (100 of" in p.stdout
-    assert "resumed from" in p.stdout and "step_000002 at step 2" in p.stdout
+    flipped = ck / "step_000003" / shard
+    size = os.path.getsize(flipped)
+    with open(flipped, "r+b") as f:  # one bit in the middle of the shard
+        f.seek(size // 2)
+        byte = f.read(1)[0]
+        f.seek(size // 2)
+        f.write(bytes([byte ^ 0x10]))
+    assert os.path.getsize(flipped) == size and problem(str(ck / "step_000003")) is None
+    p = ok(
+        run(tiny_run(out, "--steps", "5", *keep_all, "--resume", "auto"), setup=dcp_load_fails_once)
+    )
+    assert f"skipped step_000004: {shard} is truncated (100 of" in p.stdout
+    assert f"skipped step_000003: {shard} fails its checksum (crc32 " in p.stdout
+    assert "skipped step_000002: it did not load (RuntimeError: injected" in p.stdout
+    assert "resumed from" in p.stdout and "step_000001 at step 1" in p.stdout
+    assert "cut back to step 1" in p.stdout
     resumed = metrics(out)
     assert [m["step"] for m in resumed] == [1, 2, 3, 4, 5]
     assert [m["loss"] for m in resumed] == straight
@@ -333,6 +373,160 @@ def test_disk_shortfall_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path)
     assert "0.00 GB are free" in errors[0] and "step_000001) is intact" in errors[0]
     assert sorted(os.listdir(out / "checkpoints")) == ["LATEST", "step_000001"]
     assert problem(str(out / "checkpoints" / "step_000001")) is None
+
+
+class Plant:
+    """Unpickling it creates `path`: what a checkpoint from someone else could do on load."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _save_small_checkpoint(rank, world, out):
+    """A checkpoint of a Linear and its AdamW after one step (in a group of one)."""
+    from data import RowLoader
+    from run.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    loader = RowLoader(np.zeros((4, 9), dtype=np.int64))
+    next(loader)
+    return save_checkpoint(out, 1, model, opt, loader, rank)
+
+
+def _replace(ckpt, name, obj):
+    """Put `obj`'s pickle at ckpt/name and rewrite the manifest to match, as a forger would."""
+    from run.manifest import MANIFEST, file_record, write_manifest
+
+    if name.endswith(".pt"):
+        torch.save(obj, os.path.join(ckpt, name))
+    else:
+        with open(os.path.join(ckpt, name), "wb") as f:
+            pickle.dump(obj, f)
+    names = [n for n in os.listdir(ckpt) if n != MANIFEST]
+    write_manifest(ckpt, {n: file_record(os.path.join(ckpt, n)) for n in names})
+
+
+def test_checkpoint_files_that_would_run_code_are_refused_by_name(tmp_path):
+    """A forged checkpoint (manifest rewritten to match): its RNG file, its DCP .metadata and a
+    DCP item each pickle a call to open(MARKER, "w"). Each is refused naming the file, and the
+    marker never appears: nothing was run. Through train.py --resume too: one line, exit 2."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from run.checkpoint import verify
+    from run.safe_load import SafeLoadPlanner
+
+    marker = tmp_path / "MARKER"
+    (good,) = dist_utils.run_distributed(_save_small_checkpoint, 1, str(tmp_path / "run"))
+    assert problem(good) is None and verify(good) is None
+    rng = str(tmp_path / "rng")
+    shutil.copytree(good, rng)
+    _replace(rng, "rng_rank00000.pt", {"cpu": Plant(marker)})
+    assert problem(rng) is None  # sizes and manifest agree: only reading it would tell
+    why = verify(rng)
+    assert (
+        why.startswith("rng_rank00000.pt holds more than plain tensors") and "weights_only" in why
+    )
+    meta = str(tmp_path / "meta")
+    shutil.copytree(good, meta)
+    _replace(meta, ".metadata", Plant(marker))
+    why = problem(meta)
+    assert why.startswith("its .metadata does not read") and "it refers to io.open" in why, why
+    dcp.save({"x": Plant(marker)}, checkpoint_id=str(tmp_path / "item"))
+    with pytest.raises(CheckpointException) as refused:
+        dcp.load({"x": None}, checkpoint_id=str(tmp_path / "item"), planner=SafeLoadPlanner())
+    first, _ = refused.value.failures[0]  # DCP gathers each rank's (exception, traceback)
+    assert str(first).startswith("its item x holds more than plain tensors (it refers to io.open)")
+    assert not marker.exists()
+
+    p = run(["--preset", "demo", "--seq-len", "64", "--out", str(tmp_path / "o"), "--resume", rng])
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith(f"error: --resume {rng}: not a loadable checkpoint (rng_rank00000")
+    assert not marker.exists()
+
+
+def _no_answer(self, repo_id, **kwargs):
+    raise ConnectionError(f"cannot reach huggingface.co for {repo_id}")
+
+
+def hub_unreachable():
+    """Setup for a train.py rank: the hub's metadata request fails, as it does offline."""
+    import huggingface_hub
+
+    huggingface_hub.HfApi.dataset_info = _no_answer
+
+
+def test_pg19_without_network_is_one_line_before_any_weight(files, tmp_path, monkeypatch):
+    """No network (injected: the hub's metadata request fails) and no token cache: one line
+    with the offline recipe, at once, before the model's weights (a FIFO) are touched. A
+    cache entry for the rows is enough to go on without the hub."""
+    import huggingface_hub
+
+    from run.checks import check_hub_source
+
+    cache = tmp_path / "cache"
+    flags = ["--model", str(files / "model"), "--data", "pg19", "--seq-len", "32"]
+    t0 = time.time()
+    p = run(
+        flags + ["--cache-dir", str(cache), "--out", str(tmp_path / "o")], setup=hub_unreachable
+    )
+    seconds = time.time() - t0
+    lines = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    for words in (
+        "error: --data pg19: the Hugging Face hub does not answer (ConnectionError: cannot reach",
+        "huggingface-cli download emozilla/pg19 --repo-type dataset",
+        "--data 'DIR/data/train-*.parquet'",
+    ):
+        assert words in lines[0], lines[0]
+    assert "model ready" not in p.stdout and seconds < 30, seconds
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", _no_answer)
+    cfg = types.SimpleNamespace(data="pg19", seq_len=32, seed=0, cache_dir=str(cache))
+    with pytest.raises(ConfigError, match="does not answer"):
+        check_hub_source(cfg)
+    cache.mkdir()
+    (cache / "pg19-L32-seed0-0123456789abcdef.npy").write_bytes(b"")
+    check_hub_source(cfg)  # a cache entry of these rows: no hub needed
+
+
+def export_dies_half_way():
+    """Setup for a train.py rank: writing the final safetensors fails half-way (a full disk the
+    check could not foresee, a node going down)."""
+    import model.weights
+
+    def save_file(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\0" * 1000)
+        raise OSError(28, "No space left on device")
+
+    model.weights.save_file = save_file
+
+
+@pytest.mark.slow
+def test_final_export_is_disk_checked_and_never_half_written(tmp_path):
+    """The final model is checked for room first (exit 3, nothing written, the line says what is
+    left to resume from), and a write that dies half-way leaves no OUT/final."""
+    out = tmp_path / "short"
+    p = run(tiny_run(out, "--steps", "1"), setup=disk_with_1_mb_free)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error")]
+    assert p.returncode == 3 and len(errors) == 1, p.stderr[-3000:]
+    assert errors[0].startswith("error: not enough disk for the final model under ")
+    assert "nothing was written and no checkpoint was written (--save-every 0)" in errors[0]
+    assert not os.path.exists(out / "final") and not os.path.exists(out / "final.tmp")
+    out = tmp_path / "dies"
+    p = run(tiny_run(out, "--steps", "1"), setup=export_dies_half_way)
+    assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr[-3000:]
+    assert not os.path.exists(out / "final")
+    assert os.listdir(out / "final.tmp")  # the half-written files are there, under .tmp
 
 
 def test_trim_metrics_and_rotate(tmp_path):
