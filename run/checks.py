@@ -143,8 +143,8 @@ def check_flags(cfg) -> None:
         )
         if why:
             raise ConfigError(
-                f"--resume {cfg.resume}: not a loadable checkpoint ({why}); pass a step_* directory "
-                f"under OUT/checkpoints, or --resume auto"
+                f"--resume {cfg.resume}: not a loadable checkpoint ({why}); "
+                f"pass a step_* directory under OUT/checkpoints, or --resume auto"
             )
 
 
@@ -162,7 +162,8 @@ def resolve_model(
         mc, path = _from_hf(name), name
         if weights and not any(f.endswith(".safetensors") for f in os.listdir(name)):
             raise ConfigError(
-                f"--model {name}: no .safetensors weights in it; pass a Hugging Face model directory "
+                f"--model {name}: no .safetensors weights in it; "
+                f"pass a Hugging Face model directory "
                 f"(config.json + *.safetensors), or a preset for random init"
             )
     elif os.path.isfile(name):
@@ -271,7 +272,8 @@ def check_data(
     cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, num_rows: int
 ) -> None:
     """Token files: integer ids in [0, vocab) and enough of them; synthetic sets: their shape;
-    text: the source exists and the model's tokenizer loads, fits the vocabulary and has the eos token."""
+    text: the source exists and the model's tokenizer loads, fits the vocabulary and has the eos
+    token."""
     from data import build_rows
 
     src = cfg.data

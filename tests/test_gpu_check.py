@@ -178,8 +178,8 @@ CASES = {
 def _count_exchanges(rank, world, case):
     """Checkpointed, offloaded Qwen3 layers under Ulysses; every all_to_all_single call's input
     shape and bytes, in forward and in backward (recompute included)."""
-    from model.config import Qwen3Config
     from model.checkpoint_offload import apply_offload
+    from model.config import Qwen3Config
     from model.qwen3 import Qwen3
     from model.ulysses import UlyssesAttention
 
