@@ -25,11 +25,12 @@ rows on few GPUs can be larger. device="cuda" adds what a CUDA kernel allocates 
 (FlashAttention's fp32 dq accumulator); fused_norm=False models an RMSNorm left to autograd
 (transformers'), which also saves an fp32 copy of its input and the normalised bf16 tensor.
 
-Attention once (save_attention, model/checkpoint_offload.py's apply_offload(save_attention=True)): each
-layer's attention output [T, nh/sp, hd] and fp32 log-sum-exp [nh/sp, T] are kept from the forward,
-so the recompute skips attention's forward (1.52e18 -> 1.20e18 FLOPs at 1M tokens). They go to the
-offload pool's pinned blocks for every layer but the last, whose input, output and log-sum-exp stay
-on the device for the loss moments (backward starts there: a copy would stall it).
+Attention once (save_attention, model/checkpoint_offload.py's
+apply_offload(save_attention=True)): each layer's attention output [T, nh/sp, hd] and fp32
+log-sum-exp [nh/sp, T] are kept from the forward, so the recompute skips attention's forward
+(1.52e18 -> 1.20e18 FLOPs at 1M tokens). They go to the offload pool's pinned blocks for every
+layer but the last, whose input, output and log-sum-exp stay on the device for the loss moments
+(backward starts there: a copy would stall it).
 choose_save_attention turns it on when its plan fits host memory (and the GPU, if the other fits).
 
 CPU offload (cpu_offload, FSDP2's CPUOffloadPolicy): the fp32 parameter shards, gradient shards and
@@ -513,10 +514,10 @@ def _step_moments(
 
 
 def _host_memory(c: Qwen3Config, layout: Layout, o: Options, x: _PerLayer) -> HostMemory:
-    """The pool pins each tensor it moves in fixed-size blocks (model/host_pool.py's host_bytes_for),
-    allocated before step 1: every layer's input, or with attention once L-1 layers' input, out
-    and lse. CPU offload pins the parameter and gradient shards one buffer per parameter (AdamW's
-    zeros_like states are pageable)."""
+    """The pool pins each tensor it moves in fixed-size blocks (model/host_pool.py's
+    host_bytes_for), allocated before step 1: every layer's input, or with attention once L-1
+    layers' input, out and lse. CPU offload pins the parameter and gradient shards one buffer per
+    parameter (AdamW's zeros_like states are pageable)."""
     L, mb = c.num_hidden_layers, o.master_bytes
     moved = L - 1 if o.save_attention else L
     inputs = moved * host_bytes_for(x.input) if x.input_moved else 0

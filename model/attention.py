@@ -1,21 +1,24 @@
 """Causal attention on one pinned kernel, with its log-sum-exp, computed once per layer per step.
 
     backend = pick_backend(device, torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
-    set_backend(backend)                      # every attention() call now runs this kernel
-    out = attention(q, k, v)                  # q [B, T, nh, hd], k, v [B, T, nkv, hd] -> [B, T, nh, hd]
+    set_backend(backend)       # every attention() call now runs this kernel
+    out = attention(q, k, v)   # q [B, T, nh, hd], k, v [B, T, nkv, hd] -> [B, T, nh, hd]
 
 Backends (`pick_backend` chooses, `BACKENDS` describes):
   cudnn      aten._scaled_dot_product_cudnn_attention: SDPA's own first choice on H100/H200 with
              cuDNN > 9.15 (public measurements: near 2x the flash kernel there); grouped kv heads
              natively where torch's checks allow them, else flash is chosen.
-  flash      aten._scaled_dot_product_flash_attention (FlashAttention-2): GQA natively; its backward
-             keeps an fp32 dq accumulator and expands dk, dv to the query heads internally.
-  cpu_flash  aten._scaled_dot_product_flash_attention_for_cpu: what SDPA runs on CPU (bit-identical).
+  flash      aten._scaled_dot_product_flash_attention (FlashAttention-2): GQA natively; its
+             backward keeps an fp32 dq accumulator and expands dk, dv to the query heads
+             internally.
+  cpu_flash  aten._scaled_dot_product_flash_attention_for_cpu: what SDPA runs on CPU
+             (bit-identical).
   math       explicit fp32 softmax, O(T^2) memory: CPU, or CUDA at <= MATH_MAX_TOKENS only.
-  sdpa       F.scaled_dot_product_attention, torch picks per call; no log-sum-exp, so no attention-once.
-Every backend except sdpa is a forward returning (out, lse) and a backward taking (q, k, v, out, lse):
-the pair that lets backward skip attention's forward. Each op takes fewer kv heads than query heads
-(query heads g*r .. g*r+g-1 share kv head r), so kv is never expanded here.
+  sdpa       F.scaled_dot_product_attention, torch picks per call; no log-sum-exp, so no
+             attention-once.
+Every backend except sdpa is a forward returning (out, lse) and a backward taking
+(q, k, v, out, lse): the pair that lets backward skip attention's forward. Each op takes fewer kv
+heads than query heads (query heads g*r .. g*r+g-1 share kv head r), so kv is never expanded here.
 
 Attention once. Whole-layer checkpointing runs a layer's forward twice: in forward, and again in
 backward to rebuild what the layer saved. At a million tokens attention is ~96% of a layer's FLOPs,
@@ -63,7 +66,8 @@ MATH_MAX_TOKENS = 8192  # [heads, T, T] fp32 scores: 1 GiB per 4 heads at 8192 t
 def _torch_can_use(
     name: str, device: torch.device, dtype: torch.dtype, nh: int, nkv: int, hd: int
 ) -> bool:
-    """Ask torch whether `name` runs these head counts, on tiny probe tensors (with grad) on `device`."""
+    """Ask torch whether `name` runs these head counts, on tiny probe tensors (with grad) on
+    `device`."""
     if name == "math":
         return dtype.is_floating_point
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -130,7 +134,8 @@ def pick_backend(
             and device.type != "cpu"
         ):
             raise ValueError(
-                f"attention backend {request!r} does not run on {device.type}; use --attn-backend auto"
+                f"attention backend {request!r} does not run on {device.type}; "
+                f"use --attn-backend auto"
             )
         if not can_use(request, device, dtype, num_heads, num_kv_heads, head_dim):
             raise ValueError(
@@ -146,7 +151,8 @@ def pick_backend(
     raise ValueError(
         f"attention: neither cuDNN nor flash attention can run {what}, and the math fallback "
         f"(O(T^2) memory) stops at {MATH_MAX_TOKENS} tokens; train in bfloat16 with head_dim a "
-        f"multiple of 8 (<= 256) on an sm80+ GPU, or pick --attn-backend sdpa (torch's choice, no attention-once)"
+        f"multiple of 8 (<= 256) on an sm80+ GPU, or pick --attn-backend sdpa "
+        f"(torch's choice, no attention-once)"
     )
 
 
@@ -177,7 +183,8 @@ def _auto_backend(
 
 
 def _sdp_flags() -> tuple:
-    """torch's SDPA switches (set by torch.nn.attention.sdpa_kernel): the automatic choice follows them."""
+    """torch's SDPA switches (set by torch.nn.attention.sdpa_kernel): the automatic choice follows
+    them."""
     b = torch.backends.cuda
     return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.math_sdp_enabled()
 
@@ -308,7 +315,8 @@ class AttentionStore:
         return self.runs > 1
 
     def run(self, body, *args, **kwargs):
-        """Run `body` with this store active: as the forward the first time, as a recompute after."""
+        """Run `body` with this store active: as the forward the first time, as a recompute
+        after."""
         global _ACTIVE
         self.runs += 1
         self.i = 0

@@ -84,8 +84,8 @@ def build_mesh(world_size: int, sp: int = 1, device_type: str = "cuda") -> Devic
     if sp > per_node or per_node % sp:
         raise ValueError(
             f"sp={sp} does not fit in one node of {per_node} processes: sequence parallelism runs "
-            f"two all-to-alls per layer and must stay on the intra-node links; use an sp that divides "
-            f"{per_node} and let dp span the nodes"
+            f"two all-to-alls per layer and must stay on the intra-node links; "
+            f"use an sp that divides {per_node} and let dp span the nodes"
         )
     mesh = init_device_mesh(device_type, (world_size // sp, sp), mesh_dim_names=MESH_DIMS)
     shard_mesh(mesh)  # create the flattened group now, on every rank together

@@ -80,7 +80,7 @@ def _max_rel(a: dict, b: dict) -> float:
     )
 
 
-# ---- the attention core against SDPA --------------------------------------------------------------
+# ---- the attention core against SDPA -------------------------------------------------------------
 def _qkv(dtype, nh, nkv, t=37, hd=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, t, h, hd, generator=g, dtype=torch.float64) for h in (nh, nkv, nkv))
@@ -112,7 +112,7 @@ def test_core_matches_sdpa(backend, heads):
         qkv, dout = _qkv(dtype, *heads)
         ref = _run(_sdpa, qkv, dout)
         got = _run(lambda q, k, v: attention(q, k, v, backend=backend), qkv, dout)
-        for a, b in zip(got, ref):
+        for a, b in zip(got, ref, strict=True):
             assert a.shape == b.shape and a.dtype == b.dtype
             if backend == "cpu_flash":
                 assert torch.equal(a, b)
@@ -123,7 +123,7 @@ def test_core_matches_sdpa(backend, heads):
     exact = _run(_sdpa, [x.detach().double().requires_grad_() for x in qkv], dout.double())
     sdpa_bf16 = _run(_sdpa, qkv, dout)
     got = _run(lambda q, k, v: attention(q, k, v, backend=backend), qkv, dout)
-    for a, s, e in zip(got, sdpa_bf16, exact):
+    for a, s, e in zip(got, sdpa_bf16, exact, strict=True):
         assert a.dtype == torch.bfloat16
         bound = max(2 * (s.double() - e).abs().max().item(), 2**-8 * e.abs().max().item())
         assert (a.double() - e).abs().max().item() <= bound
@@ -142,7 +142,7 @@ def test_pinned_backend_and_misuse():
             AttentionStore().run(attention, *qkv)
     finally:
         set_backend(None)
-    for a, b in zip(got, ref):
+    for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6 * b.abs().max().item())
     with (
         sdpa_kernel(SDPBackend.MATH),
@@ -158,7 +158,7 @@ def test_pinned_backend_and_misuse():
         store.run(attention, *qkv)
 
 
-# ---- choosing the backend ---------------------------------------------------------------------------
+# ---- choosing the backend ------------------------------------------------------------------------
 def _probe(usable, calls=None):
     def can_use(name, device, dtype, nh, nkv, hd):
         if calls is not None:
@@ -206,7 +206,7 @@ def test_pick_backend():
             pick_backend("cuda", bf16, **kw)
 
 
-# ---- attention once inside the checkpointed, offloaded layer ----------------------------------------
+# ---- attention once inside the checkpointed, offloaded layer -------------------------------------
 def _step(m, ids, micro=1):
     m.zero_grad(set_to_none=True)
     counts = []
@@ -227,7 +227,7 @@ def test_attention_runs_once_with_the_same_gradients(offload, tile):
     for save in (False, True):
         m = copy.deepcopy(ref)
         pool = apply_offload(m, offload=offload, min_bytes=0, tile_mlp=tile, save_attention=save)
-        for step in range(2):
+        for _ in range(2):
             loss, g, counts = _step(m, ids)
             s = pool.reset_step()
         assert counts == [(L if save else 2 * L, L)]  # forward kernel once per layer, or twice
@@ -314,7 +314,7 @@ def test_ten_steps_hold_no_more():
     assert live[0] == live[1]  # no tensor or store accumulates from step 2 to step 10
 
 
-# ---- Ulysses sp=2 with kv repeat, FSDP2, tiled MLP, grad accumulation: 2 gloo processes -------------
+# ---- Ulysses sp=2 with kv repeat, FSDP2, tiled MLP, grad accumulation: 2 gloo processes ----------
 SP_CFG = replace(CFG, num_key_value_heads=1, num_hidden_layers=3)  # 1 kv head, repeated to 2 ranks
 SP_T = 32
 
@@ -376,7 +376,7 @@ def test_ulysses_fsdp_once_equals_recompute_and_one_process():
         assert _max_rel(g_once, g_ref) <= 1e-5
 
 
-# ---- CUDA only: the kernels training pins ------------------------------------------------------------
+# ---- CUDA only: the kernels training pins --------------------------------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -406,7 +406,7 @@ def test_cuda_backend_matches_fp64(backend):
     with CountAttention() as c:
         got = _run(lambda q, k, v: attention(q, k, v, backend=backend), qkv, dout)
     assert (c.fwd, c.bwd) == (1, 1)
-    for a, s, e in zip(got, sdpa_bf16, exact):
+    for a, s, e in zip(got, sdpa_bf16, exact, strict=True):
         bound = max(2 * (s.double() - e).abs().max().item(), 2**-8 * e.abs().max().item())
         assert (a.double() - e).abs().max().item() <= bound
 
@@ -421,7 +421,7 @@ def test_cuda_attention_once_with_offload():
     for save in (False, True):
         m = copy.deepcopy(ref)
         pool = apply_offload(m, min_bytes=0, tile_mlp=32, save_attention=save)
-        for step in range(2):
+        for _ in range(2):
             loss, g, counts = _step(m, ids)
             s = pool.reset_step()
             torch.cuda.synchronize()

@@ -128,7 +128,7 @@ def test_cpu_offload_step_equals_plain(tmp_path):
     assert off["devices"] == off["state_devices"] == {"cpu"}
 
 
-# ---- train.py --cpu-offload end to end: the same run as without it, and an exact resume -------------
+# ---- train.py --cpu-offload end to end: the same run as without it, and an exact resume ----------
 @pytest.mark.slow
 def test_train_cpu_offload_matches_and_resumes_exactly(tmp_path):
     """Two processes (sp=2), 4 steps: --cpu-offload gives the same losses and gradient norms as the

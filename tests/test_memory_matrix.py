@@ -39,7 +39,8 @@ ODD = replace(
     vocab_size=333,
 )  # not powers of two; 3 query heads per kv head
 TIED = replace(TINY, tie_word_embeddings=True)
-# Qwen3-8B's proportions: intermediate 3 x hidden, heads x head_dim = hidden, 4 query heads per kv head
+# Qwen3-8B's proportions: intermediate 3 x hidden, heads x head_dim = hidden, 4 query heads per
+# kv head
 LIKE_8B = replace(
     TINY,
     hidden_size=128,
@@ -60,15 +61,14 @@ WIDE = replace(
     vocab_size=2048,
 )
 DEEP = replace(TINY, num_hidden_layers=4)
-LOSSY = replace(
-    LIKE_8B, vocab_size=4096
-)  # the loss phase makes the peak  # attention once: three layers' attention on the host, one on the device
+LOSSY = replace(LIKE_8B, vocab_size=4096)  # the loss phase makes the peak
+# attention once: three layers' attention on the host, one on the device
 SAVE = {"save_attention": True}
-CPU_OFF = {
-    "cpu_offload": True
-}  # FSDP2 CPU offload: fp32 shards, gradients, AdamW states on the host
+# FSDP2 CPU offload: fp32 shards, gradients, AdamW states on the host
+CPU_OFF = {"cpu_offload": True}
 
-# name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk[, RMSNorm chunk][, SAVE])
+# name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk
+#        [, RMSNorm chunk][, SAVE])
 MATRIX = {
     "sp1": (TINY, 1, 1, 4096, "float32", True, 0, 256),
     "sp1 bf16 tiled": (TINY, 1, 1, 2048, "bfloat16", True, 512, 256),
@@ -286,7 +286,8 @@ def test_save_attention_peak_no_higher(matrix):
 @pytest.mark.slow
 def test_pool_host_bytes_equal_plan(matrix):
     """The offload pool's pinned blocks and the bytes it copied to the host in a step equal the
-    planner's, to the byte: every layer's input, or with attention once L-1 layers' input, out and lse."""
+    planner's, to the byte: every layer's input, or with attention once L-1 layers' input, out
+    and lse."""
     for n, (got, want) in _POOL.items():
         assert got == want, (n, got, want)
     assert (

@@ -1,9 +1,9 @@
-"""The memory planner against reality: allocated bytes, saved tensors, DESIGN.md's figures, the CLI.
+"""The memory planner against reality: allocated bytes, saved tensors, recipe figures, the CLI.
 
 What can be measured on a CPU is measured: parameter, gradient and AdamW bytes of a real model
 after one step (whole, and sharded by FSDP2 over a fake 4-rank world), and the tensors autograd
-saves in one decoder layer, with and without Ulysses attention. The rest is checked against the
-figures DESIGN.md derives by hand.
+saves in one decoder layer, with and without Ulysses attention. The rest is checked against
+figures derived by hand for the recipe (Qwen3-8B, 1M tokens, 8 GPUs, sp=8).
 """
 
 import concurrent.futures
@@ -163,7 +163,7 @@ def _fake_world(world: int) -> dict:
                 skip = {a.untyped_storage().data_ptr() for a in (x, cos, sin, *layer.parameters())}
                 seen = {}
 
-                def pack(a):
+                def pack(a, skip=skip, seen=seen):
                     s = a.untyped_storage()
                     if s.data_ptr() not in skip:
                         seen[s.data_ptr()] = s.nbytes()
@@ -220,7 +220,7 @@ def test_layer_saved_bytes_equal_autograd(fake_world, key):
     assert sum(unfused.values()) > fake_world["saved"][key]
 
 
-# ---- (b) DESIGN.md's memory figures ------------------------------------------------------------------
+# ---- (b) the recipe's memory figures -------------------------------------------------------------
 def test_naive_saved_inputs_are_288_gib():
     one = plan(QWEN3_8B, T_1M, gpus=1, sp=1, offload=False)
     assert one.held.saved_inputs == one.naive_saved_inputs == 36 * T_1M * 4096 * 2 == 288 * GiB
@@ -231,7 +231,7 @@ def test_naive_saved_inputs_are_288_gib():
     assert eight.host.saved_inputs_per_gpu * 8 == 288 * GiB  # pinned, per node
 
 
-def test_design_budget_table():
+def test_recipe_budget_table():
     p = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
     assert round((p.state.params + p.state.grads + p.state.adamw) / GB, 1) == 16.4
     assert (
@@ -248,7 +248,7 @@ def test_design_budget_table():
 
 
 # ---- (c) FLOPs -----------------------------------------------------------------------------------
-def test_flops_match_design():
+def test_flops_match_the_recipe():
     p = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
     assert p.flops.full_recompute == pytest.approx(1.52e18, rel=0.01)
     assert p.flops.no_attn_recompute == pytest.approx(1.2e18, rel=0.01)
@@ -262,7 +262,7 @@ def test_flops_match_design():
     assert two_rows.flops.step_time_s == pytest.approx(p.flops.step_time_s)
 
 
-# ---- (d) the longest sequence ------------------------------------------------------------------------
+# ---- (d) the longest sequence --------------------------------------------------------------------
 def test_max_seq_len_qwen3_8b():
     kw = dict(gpus=8, sp=8, gpu_mem_gb=80)
     n = max_seq_len(QWEN3_8B, **kw)  # model/qwen3.py's fused RMSNorm, the default
@@ -293,7 +293,7 @@ def test_max_seq_len_qwen3_8b():
     assert max_seq_len(QWEN3_8B, gpus=1, sp=1, gpu_mem_gb=16) == 0  # the fp32 state alone is 131 GB
 
 
-# ---- (e) bad inputs --------------------------------------------------------------------------------
+# ---- (e) bad inputs ------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -342,7 +342,7 @@ def test_kv_heads_repeat_when_sp_exceeds_them():
     assert saved[Buffer.QKV_AT_SDPA] == q + 2 * kv
 
 
-# ---- (f) the outputs and the command line ------------------------------------------------------------
+# ---- (f) the outputs and the command line --------------------------------------------------------
 def test_format_and_dict():
     p = plan(QWEN3_8B, T_1M, gpus=8, sp=8, model="qwen3-8b")
     text = format_plan(p)
@@ -420,10 +420,10 @@ def test_cli_table_json_errors(tmp_path):
     assert r.returncode == 2 and "no Hugging Face config" in r.stderr
 
 
-# ---- (g) attention once: save_attention -------------------------------------------------------------
+# ---- (g) attention once: save_attention ----------------------------------------------------------
 def test_save_attention_flops_are_one_attention_forward_less():
-    """1.52e18 -> 1.20e18 at the recipe (DESIGN.md, issue 13): the recompute skips exactly one
-    causal attention forward per layer, 2 products x T^2/2 x heads x head_dim x 2 FLOPs each."""
+    """1.52e18 -> 1.20e18 at the recipe: the recompute skips exactly one causal attention forward
+    per layer, 2 products x T^2/2 x heads x head_dim x 2 FLOPs each."""
     on = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
     off = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=False)
     assert on.flops.step == on.flops.no_attn_recompute == pytest.approx(1.20e18, rel=0.01)
@@ -439,8 +439,8 @@ def test_save_attention_flops_are_one_attention_forward_less():
 
 def test_save_attention_host_bytes_are_the_pools():
     """Host memory per GPU: L-1 layers' input, out [T, nh/sp, hd] and fp32 lse [nh/sp, T], each
-    laid out in the pool's blocks (model/host_pool.py host_bytes_for, rounded per tensor); the last layer's
-    three stay on the device and show up in the loss phase."""
+    laid out in the pool's blocks (model/host_pool.py host_bytes_for, rounded per tensor); the
+    last layer's three stay on the device and show up in the loss phase."""
     from model.attention import saved_attention_bytes
 
     for T in (T_1M, 3 * T_1M + 8 * 1024 * 5):  # powers of two, and lengths the blocks round up
@@ -485,8 +485,9 @@ def test_save_attention_without_offload_stays_on_the_gpu():
 
 
 def test_pool_pins_what_the_plan_says():
-    """A real Qwen3 on CPU through apply_offload(save_attention=True): the pool's pinned bytes and
-    device-to-host bytes of one step are the planner's, with min_bytes keeping small tensors home."""
+    """A real Qwen3 on CPU through apply_offload(save_attention=True): the pool's pinned bytes
+    and device-to-host bytes of one step are the planner's, with min_bytes keeping small tensors
+    home."""
     from model.checkpoint_offload import apply_offload
     from model.qwen3 import Qwen3
 
@@ -608,7 +609,7 @@ def test_dry_run_shows_both_variants():
     assert d["max_seq_len_by_save_attention"] == {"true": n_on, "false": n_off}
 
 
-# ---- CPU offload (FSDP2 CPUOffloadPolicy): the fp32 state in host memory ----------------------------
+# ---- CPU offload (FSDP2 CPUOffloadPolicy): the fp32 state in host memory -------------------------
 def _pow2(n: int) -> int:
     """torch's pinned host allocator: the next power of two at or above n."""
     return 2 ** math.ceil(math.log2(n))
@@ -631,7 +632,8 @@ def test_cpu_offload_moves_the_state_to_host():
     rows = [
         -(-s[0] // 8) * math.prod(s[1:]) for s in shapes
     ]  # rank 0's padded shard of each parameter
-    # host per GPU: parameter and gradient shards pinned one buffer each, the two AdamW moments pageable
+    # host per GPU: parameter and gradient shards pinned one buffer each, the two AdamW moments
+    # pageable
     state = sum(2 * _pow2(4 * n) + 2 * 4 * n for n in rows)
     assert on.host.cpu_state_per_gpu == state and on.host.per_node - off.host.per_node == 8 * state
     assert (
@@ -641,7 +643,8 @@ def test_cpu_offload_moves_the_state_to_host():
         off.held.bytes - on.held.bytes == 3 * 4 * sum(rows)
         and Buffer.GRAD_SHARDS not in on.layer.working
     )
-    # the GPU keeps one unit's fp32 shards on their way in and one unit's gradient shards on their way out
+    # the GPU keeps one unit's fp32 shards on their way in and one unit's gradient shards on
+    # their way out
     layer = sum(rows[1:12])  # rows[0] is the embedding, then layer 0's 11 parameters
     cpu_offload_buffers = (Buffer.STAGED_SHARDS, Buffer.STAGED_GRADS)
     staged = {k: v for k, v in on.layer.working.items() if k in cpu_offload_buffers}
@@ -665,7 +668,8 @@ def test_cpu_offload_moves_the_state_to_host():
         == off.cpu_offload_cost.adamw_bytes_per_node
         == 0
     )
-    # issue 12's goals, projected at the recipe: <= 30 GB per GPU, >= 5,242,880 tokens on 8 x 80 GB
+    # what CPU offload is for, projected at the recipe: <= 30 GB per GPU, and >= 5,242,880 tokens
+    # on 8 x 80 GB
     assert on.total <= 30 * GB < off.total
     assert max_seq_len(QWEN3_8B, cpu_offload=True, **kw) >= 5_242_880 > max_seq_len(QWEN3_8B, **kw)
 

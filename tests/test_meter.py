@@ -17,7 +17,8 @@ MiB = 1 << 20
 
 
 def _chain(device):
-    """A chain of ops whose live bytes are known: peak 4 MiB above the start, 1 MiB kept at the end."""
+    """A chain of ops whose live bytes are known: peak 4 MiB above the start, 1 MiB kept at the
+    end."""
     a = torch.ones(MiB // 4, device=device)  # 1 MiB
     b = a * 2  # 2 live
     del a
@@ -143,7 +144,8 @@ def test_rmsnorm_chunks_same_numbers_less_memory(dtype, monkeypatch):
         whole[3] >= chunked[3] + 4 * n * d * 4 - 6 * 512 * d * 4
     )  # one chunk: several fp32 copies of x
     print(
-        f"{dtype}: norm forward+backward above inputs: whole {whole[3]:,} B, chunked {chunked[3]:,} B"
+        f"{dtype}: norm forward+backward above inputs: "
+        f"whole {whole[3]:,} B, chunked {chunked[3]:,} B"
     )
 
 

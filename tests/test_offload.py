@@ -29,7 +29,7 @@ X_BYTES = B * T * CFG.hidden_size * 4  # one fp32 layer input
 
 
 def _block_ref(n: int) -> int:
-    """Issue 12's block size, written out: min(64 MiB, max(512, largest power of two <= n // 64))."""
+    """The block-size rule, written out: min(64 MiB, max(512, largest power of two <= n // 64))."""
     q, p = n // 64, 1
     while p * 2 <= q:
         p *= 2
@@ -267,7 +267,8 @@ def test_tiled_mlp_matches_mlp(tile):
     y = mlp(x)
     g = torch.autograd.grad(y, [x, *mlp.parameters()], dy)
     torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-6)
-    for a, b in zip(g, g0):  # fp32 up to summation order (weight grads sum over the tiles)
+    # fp32 up to summation order (weight grads sum over the tiles)
+    for a, b in zip(g, g0, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
     # bf16: weight grads accumulate over tiles in fp32, so tiling costs no extra rounding drift
     w = [
@@ -277,7 +278,7 @@ def test_tiled_mlp_matches_mlp(tile):
     xb = x.detach().bfloat16()
     yb = tiled_mlp(xb, *w, tile)
     gb = torch.autograd.grad(yb, w, dy.bfloat16())
-    for a, b in zip(gb, g0[1:]):
+    for a, b in zip(gb, g0[1:], strict=True):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b, rtol=0.05, atol=0.05 * b.abs().max().item())
 
@@ -295,7 +296,7 @@ def test_tiled_mlp_follows_autocast():
     (y0, g0), (y1, g1) = outs
     assert y1.dtype == y0.dtype == torch.bfloat16
     torch.testing.assert_close(y1, y0)
-    for a, b in zip(g1, g0):  # bf16 products rounded per tile: within bf16 precision
+    for a, b in zip(g1, g0, strict=True):  # bf16 products rounded per tile: within bf16 precision
         assert a.dtype == b.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 * b.abs().max().item())
 
@@ -375,14 +376,14 @@ def test_bench_runs_on_cpu():
     assert "offload_tiled" in format_table(r)
 
 
-# ---- host memory: fixed-size blocks, a layer input copied in pieces ---------------------------------
+# ---- host memory: fixed-size blocks, a layer input copied in pieces ------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]
 GIB = 1 << 30
 
 
 def test_host_blocks_follow_the_formula_and_waste_under_2_percent():
-    """Arithmetic from 32 KiB to 1 TiB: block size as the issue defines it, whole blocks, <= 1.02 x."""
+    """Arithmetic from 32 KiB to 1 TiB: the block-size rule, whole blocks, <= 1.02 x."""
     import random
 
     rnd = random.Random(0)
@@ -501,7 +502,7 @@ def test_reserved_pool_odd_sizes_ten_steps(device, dtype):
     k = _blocks_ref(n)
     assert (r["blocks"], r["pinned_bytes"]) == (L * k, L * k * _block_ref(n))
     base, after = (torch.cuda.memory_allocated() if cuda else 0), []
-    for step in range(10):
+    for _ in range(10):
         x.grad = None
         layers.zero_grad(set_to_none=True)
         out = forward(layers)
@@ -513,7 +514,7 @@ def test_reserved_pool_odd_sizes_ten_steps(device, dtype):
         del out
         if cuda:
             torch.cuda.synchronize()
-        for a, b in zip(grads(layers), ref):
+        for a, b in zip(grads(layers), ref, strict=True):
             if cuda:  # the device's kernels may sum in another order on the replay
                 tol = 1e-4 if dtype == torch.float32 else 2e-2
                 torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
