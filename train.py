@@ -47,7 +47,8 @@ import torch.distributed as dist
 from data import RowLoader, build_rows
 from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
-from memory.plan import format_plan, plan_for_run, step_flops
+from memory.plan import plan_for_run, step_flops
+from memory.report import format_plan
 from memory.snapshot import cuda_memory_history
 from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_backend
 from model.checkpoint_offload import apply_offload
@@ -153,7 +154,7 @@ class TrainConfig:
     eos_token: str = arg("", "separator between documents; empty: the tokenizer's eos token")
     gpu_mem_gb: float = arg(80.0, "GPU memory per GPU, for the memory plan")
     host_mem_gb: float = arg(
-        2000.0, "host memory per node, for the plan and the attention-once choice"
+        0.0, "host GB per node, for the plan and its checks; 0: this machine's, 2000 in --dry-run"
     )
     cpu_offload: bool = arg(
         False, "fp32 shards, grads, AdamW states in host memory; AdamW on the CPU (-15 GB/GPU)"
@@ -596,7 +597,7 @@ def report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps, phases, gpu_
     layers = first.flops_by_layer()
     per_layer = [v for k, v in layers.items() if k.startswith("layers.")]
     planned_flops = step_flops(mc, cfg.seq_len)
-    which = "no_attn_recompute" if planned.save_attention else "full_recompute"
+    which = "no_attn_recompute" if planned.options.save_attention else "full_recompute"
     log0(
         f"FLOPs per rank per step (causal attention counted as half): {flops:.3e} rehearsed, "
         f"{planned_flops[which] / world:.3e} planned; per layer {per_layer[0]:.3e}, "
@@ -700,7 +701,7 @@ def choose_attention(cfg, mc, sp, device, dtype) -> tuple[TrainConfig, str]:
 
 
 def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
-    if planned.save_attention:
+    if planned.options.save_attention:
         padded_row = math.ceil(cfg.seq_len / sp) * sp
         kept = saved_attention_bytes(
             padded_row, mc.num_attention_heads, mc.head_dim, dtype.itemsize, sp=sp
@@ -709,7 +710,7 @@ def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
         how = f"attention once per layer, {kept / 2**20:,.1f} MiB per layer per GPU on the {where}"
     else:
         how = "attention recomputed in backward"
-    why = f" ({planned.save_attention_why})" if planned.save_attention_why else ""
+    why = f" ({planned.options.save_attention_why})" if planned.options.save_attention_why else ""
     log0(f"attention: {BACKENDS[backend]} ({backend}); {how}{why}")
 
 
@@ -770,11 +771,11 @@ def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
         offload=cfg.offload,
         min_bytes=cfg.offload_min_bytes,
         tile_mlp=cfg.tile_mlp or None,
-        save_attention=planned.save_attention,
+        save_attention=planned.options.save_attention,
     )
     if cfg.offload:
         with fake_mode or contextlib.nullcontext():
-            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.save_attention)
+            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
     return cfg, model, pool, planned
 
 

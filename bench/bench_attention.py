@@ -14,7 +14,7 @@ never expanded), which is what UlyssesAttention runs between its all-to-alls: fo
 backward from a random output gradient. With attention once a training step runs exactly this
 per layer: one forward, one backward (the recompute replays the forward's output).
 
-FLOPs follow memory_plan.step_flops: forward 2 x 2 x T^2/2 x heads x head_dim (QK^T and PV over
+FLOPs follow memory.plan.step_flops: forward 2 x 2 x T^2/2 x heads x head_dim (QK^T and PV over
 the causal half), backward attn_bwd_factor (2.5) x forward, FlashAttention's backward doing five
 T^2 products to the forward's two. Times are wall time around synchronised calls, the best of
 --steps runs at full length after a warm-up at a short length (same kernels).

@@ -29,7 +29,7 @@ the JSON is rewritten after every part, so a killed run still leaves one.
              and relative differences of the output and of the q, k, v gradients
              (bench_attention.compare_backends); skipped with the reason if either cannot run
   optimizer  global-norm clipping and AdamW (fused on CUDA, as train.py) over one GPU's fp32
-             shards, memory_plan.param_shapes cut as FSDP2 cuts them over 8 GPUs
+             shards, memory.plan.param_shapes cut as FSDP2 cuts them over 8 GPUs
 A part that would overrun is shrunk (fewer layers or tokens in the stack; a shorter attention
 scaled by T^2, marked `extrapolated`) or skipped with the reason recorded.
 
@@ -85,16 +85,17 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-from memory.plan import (
+from memory.buffers import Buffer  # noqa: E402
+from memory.plan import (  # noqa: E402
     GB,
-    PUBLIC_RECIPE,
     GiB,
     load_config,
     param_shapes,
-    plan,  # noqa: E402
+    plan,
     shard_numel,
     step_flops,
 )
+from memory.report import PUBLIC_RECIPE  # noqa: E402
 
 PARTS = ("loss", "layers", "attention", "backends", "optimizer")
 SHARE = {
@@ -366,7 +367,7 @@ def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
 
 
 def _working_set(cfg, tokens: int, mlp_tile: int, runs: dict, esize: int) -> dict:
-    """Measured one-layer backward working set against memory_plan's layer_working_set.
+    """Measured one-layer backward working set against memory.plan's layer working set.
 
     Measured: the stack's peak over its parameters and inputs (bench_offload's act_gib) at the
     most layers, less the stack's output (held by the benchmark through backward) and the bf16
@@ -386,20 +387,20 @@ def _working_set(cfg, tokens: int, mlp_tile: int, runs: dict, esize: int) -> dic
         compute_bytes=esize,
         save_attention=True,
     )
-    d = p.layer_detail
+    d = p.layer.working
     grads = esize * sum(
         math.prod(s) for k, s in param_shapes(cfg).items() if k.startswith("model.layers.0.")
     )
     less = {
-        "fp32 reduce-scatter input": d.get("fp32 reduce-scatter input of the unit before", 0),
-        "gradient shards": d.get("gradient shards reduced so far", 0),
-        "RoPE cos and sin": d.get("RoPE cos and sin (shared by all layers)", 0),
+        "fp32 reduce-scatter input": d.get(Buffer.REDUCE_SCATTER_INPUT, 0),
+        "gradient shards": d.get(Buffer.GRAD_SHARDS, 0),
+        "RoPE cos and sin": d.get(Buffer.ROPE, 0),
     }
-    planned = p.layer_working_set - sum(less.values())
+    planned = p.layer.working_bytes - sum(less.values())
     out = {
         "planned_gb": planned / GB,
-        "plan_layer_working_set_gb": p.layer_working_set / GB,
-        "plan_layer_peak": p.layer_peak,
+        "plan_layer_working_set_gb": p.layer.working_bytes / GB,
+        "plan_layer_peak": p.layer.name,
         "planned_less_gb": {k: v / GB for k, v in less.items()},
         "layer_grads_gb": grads / GB,
     }
@@ -625,11 +626,11 @@ def project(
         "sp": g.sp,
         "tokens_per_gpu": g.tokens,
         "save_attention": True,
-        "planner_flops": p.flops_step,
-        "planner_floor_s": p.step_time_s,
-        "planner_floor_how": f"{p.flops_step:.4g} FLOPs (attention once) / ({gpus} x {peak_tflops:g} TFLOP/s)",
+        "planner_flops": p.flops.step,
+        "planner_floor_s": p.flops.step_time_s,
+        "planner_floor_how": f"{p.flops.step:.4g} FLOPs (attention once) / ({gpus} x {peak_tflops:g} TFLOP/s)",
         "planner_peak_gb": p.total / GB,
-        "planner_host_gb_per_node": p.host_per_node / GB,
+        "planner_host_gb_per_node": p.host.per_node / GB,
         "public_recipe": dict(PUBLIC_RECIPE),
         "peak_tflops": peak_tflops,
     }
@@ -680,7 +681,7 @@ def project(
         attention_share=L * t["attention_s"] / step,
         # For scale: the same step recomputing attention (one more forward per layer).
         step_s_attention_recomputed=step + L * att["fwd_s"],
-        implied_mfu=p.flops_step / (gpus * peak_tflops * 1e12 * step),
+        implied_mfu=p.flops.step / (gpus * peak_tflops * 1e12 * step),
         vs_public_recipe=PUBLIC_RECIPE["step_time_s"] / step,
         fsdp_collectives_s=fsdp_bytes / (nvlink_gbps * GB),
         fsdp_collectives_how=f"(2 x bf16 all-gather + fp32 reduce-scatter) x {n:.3g} params x "
@@ -695,18 +696,17 @@ def project(
     # The plan's peak, its one-layer working set corrected by measured - planned at the stack's
     # shape, its loss replaced by the measured loss's rise over its inputs (plus the last layer's
     # input, attention out and lse, which attention once keeps on the device meanwhile).
-    kept = sum(v for k, v in p.loss_detail.items() if k.startswith("last layer's"))
-    layer_phase = (
-        p.gathered_layers + p.layer_working_set + (ws["measured_gb"] - ws["planned_gb"]) * GB
-    )
-    loss_phase = p.gathered_lm_head + loss["loss_peak_rise_gb"] * GB + kept
-    peak = p.held + max(layer_phase, loss_phase)
+    kept = p.loss.working.get(Buffer.LAST_LAYER_KEPT, 0)
+    layer_phase = p.layer.bytes + (ws["measured_gb"] - ws["planned_gb"]) * GB
+    loss_phase = p.loss.gathered_bytes + loss["loss_peak_rise_gb"] * GB + kept
+    peak = p.held.bytes + max(layer_phase, loss_phase)
     out.update(
         peak_gb=peak / GB,
         peak_how=(
-            f"held {p.held / GB:.2f} + max(layer: {p.gathered_layers / GB:.2f} gathered + "
-            f"{p.layer_working_set / GB:.2f} planned working set + ({ws['measured_gb'] - ws['planned_gb']:.2f} "
-            f"measured - planned), loss: {p.gathered_lm_head / GB:.2f} gathered + "
+            f"held {p.held.bytes / GB:.2f} + "
+            f"max(layer: {p.layer.gathered_bytes / GB:.2f} gathered + "
+            f"{p.layer.working_bytes / GB:.2f} planned working set + ({ws['measured_gb'] - ws['planned_gb']:.2f} "
+            f"measured - planned), loss: {p.loss.gathered_bytes / GB:.2f} gathered + "
             f"{loss['loss_peak_rise_gb']:.2f} measured + {kept / GB:.2f} last layer kept) = {peak / GB:.2f} GB"
         ),
     )

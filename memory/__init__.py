@@ -1,1 +1,1 @@
-"""Device memory of one training step: the planner (plan.py, arithmetic) and the meter (meter.py)."""
+"""Device memory of one step: the planner (plan.py, buffers.py), its report.py, the meter.py."""

@@ -215,6 +215,7 @@ def build_sharded_model(
     gradient_divide_factor: float = 1.0,
     progress: bool = True,
     cpu_offload: bool = False,
+    seed: int | None = None,
     fake_mode=None,
 ) -> tuple[Qwen3, LoadStats | None]:
     """Meta build -> shard -> materialise on `device` -> load `model_dir` (or init_weights()).
@@ -222,7 +223,9 @@ def build_sharded_model(
     No rank ever holds a full copy: parameters exist only as shapes until they are sharded, and
     each rank then reads only its rows of the checkpoint. `dtype` is that of the shards (the
     master weights the optimizer updates). Returns (model, load stats; None when initialised).
-    Initialising from scratch on GPU needs the same torch.manual_seed on every rank.
+    Initialising from scratch (Qwen3.init_weights) gives the same full weights for one `seed`
+    whatever the world size, sp or device; seed None: torch.initial_seed(), the seed of the last
+    torch.manual_seed, which must then be the same on every rank.
     cpu_offload: the shards are materialised in host memory (see apply_fsdp); computation still
     runs on `device`, where FSDP2 copies each unit's shards to gather them.
     fake_mode: a torch FakeTensorMode to materialise the shards in (shapes, no memory): nothing
@@ -255,7 +258,7 @@ def build_sharded_model(
         return model, None
     model.to_empty(device=where)
     if model_dir is None:
-        model.init_weights()
+        model.init_weights(seed)
         return model, None
     return model, load_safetensors(model, model_dir, progress=progress and dist.get_rank() == 0)
 

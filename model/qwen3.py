@@ -25,6 +25,7 @@ from torch import nn
 
 from model.attention import attention
 from model.config import Qwen3Config
+from model.seeded_init import seeded_normal_
 
 
 # ---------------------------------------------------------------------------------------------
@@ -95,6 +96,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ---------------------------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------------------------
+# Elements per row chunk of the RMSNorm's fp32 temporaries: 64 MiB of fp32 each, 4,096 rows of
+# Qwen3-8B's hidden size. memory/plan.py counts one chunk's temporaries.
+RMSNORM_CHUNK_ELEMS = 1 << 24
+
+
 class _RMSNormFn(torch.autograd.Function):
     """weight * (x / rms(x)) with transformers' arithmetic (normalise in fp32, cast back to x's
     dtype, then scale), saving for backward only x and the fp32 1/rms per row.
@@ -107,7 +113,7 @@ class _RMSNormFn(torch.autograd.Function):
     the whole [tokens, hidden] tensor (10 fp32 copies of a 1 GiB input in backward otherwise).
     """
 
-    CHUNK_ELEMS = 1 << 24  # 64 MiB of fp32 per temporary: 4,096 rows of Qwen3-8B's hidden size
+    CHUNK_ELEMS = RMSNORM_CHUNK_ELEMS  # what forward and backward read (tests set it)
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -269,12 +275,20 @@ class Qwen3(nn.Module):
             layer.self_attn.attn_fn = attn_fn
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """Weights for a run from scratch, as transformers initialises Qwen3: N(0, 0.02) for
-        linear and embedding weights, ones for the norms. Works on sharded (DTensor) parameters."""
+        linear and embedding weights, ones for the norms. Each weight's numbers depend only on
+        `seed` and its name (model/seeded_init.py), so a sharded model (DTensor parameters, any
+        world size, shards on any device) holds the same full weights as one process.
+        seed None: torch.initial_seed(), the seed the last torch.manual_seed set."""
+        seed = torch.initial_seed() if seed is None else seed
         std = self.config.initializer_range
-        for m in self.modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)):
-                m.weight.normal_(0.0, std)
-            elif isinstance(m, RMSNorm):
-                m.weight.fill_(1.0)
+        drawn = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        norms = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
+        for name, p in self.named_parameters():  # a tied lm_head once, as model.embed_tokens
+            if id(p) in drawn:
+                seeded_normal_(p, seed=seed, name=name, std=std)
+            elif id(p) in norms:
+                p.fill_(1.0)
+            else:
+                raise TypeError(f"init_weights has no rule for parameter {name}")

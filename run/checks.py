@@ -3,11 +3,13 @@
     mc, model_dir, sp, dp = check_run(cfg, world, local_world)
     open_run_dir(cfg)            # rank 0: lock --out, refuse to mix runs, --overwrite moves aside
 
-check_run is cheap (flags, config.json, a tokenizer, a token file's ids) and raises ConfigError
-with one line that names the flag or file and the fix. train.py calls it in every process before
-torch.distributed starts; `train.py --check-only` (what torchrun.sh runs once before launching N
-processes) calls it and the directory checks and exits. `cfg` is train.py's TrainConfig; this
-file reads its fields and imports nothing from train.py.
+check_run is cheap (flags, config.json, a tokenizer, a token file's ids, the memory plan) and
+raises ConfigError with one line that names the flag or file and the fix. It also settles
+--host-mem-gb 0 in `cfg` into this machine's memory (run/host_memory.py), the number the plan
+then reads, and refuses a run whose planned host memory per node exceeds it. train.py calls it
+in every process before torch.distributed starts; `train.py --check-only` (what torchrun.sh runs
+once before launching N processes) calls it and the directory checks and exits. `cfg` is
+train.py's TrainConfig; this file reads its fields and imports nothing from train.py.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError, Qwen3Config
 from run.checkpoint import problem as checkpoint_problem
+from run.host_memory import host_memory_bytes
 from run.rundir import (
     RunDirError,
     RunLock,
@@ -43,6 +46,7 @@ CHOICES = {
     "save_dtype": ("bfloat16", "float16", "float32"),
 }
 INF = math.inf
+DRY_RUN_HOST_MEM_GB = 2000.0  # a dry run plans for the target node, not the machine it runs on
 
 
 def _rules(c) -> list[tuple[str, bool, str]]:
@@ -79,7 +83,11 @@ def _rules(c) -> list[tuple[str, bool, str]]:
         ),
         ("max_bad_steps", c.max_bad_steps >= 1, "a positive count, such as 3"),
         ("gpu_mem_gb", 0 < c.gpu_mem_gb < INF, "a positive number of GB, such as 80"),
-        ("host_mem_gb", 0 < c.host_mem_gb < INF, "a positive number of GB per node, such as 2000"),
+        (
+            "host_mem_gb",
+            0 < c.host_mem_gb < INF,
+            "0 (this machine's memory) or a positive number of GB per node, such as 2000",
+        ),
     ]
 
 
@@ -87,8 +95,26 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def settle_host_memory(cfg) -> str:
+    """Turn --host-mem-gb 0 (the default) into GB in `cfg` and say where the number comes from:
+    this machine's usable memory, or in a dry run (which plans for the target node, not the
+    machine it runs on) DRY_RUN_HOST_MEM_GB. Any other value stays as given."""
+    from memory.plan import GB
+
+    if cfg.host_mem_gb != 0:
+        return f"--host-mem-gb {cfg.host_mem_gb:g}"
+    if cfg.dry_run:
+        cfg.host_mem_gb = DRY_RUN_HOST_MEM_GB
+        return f"a dry run's assumed node of {DRY_RUN_HOST_MEM_GB:g} GB"
+    size, source = host_memory_bytes()
+    cfg.host_mem_gb = size / GB
+    return f"this machine's memory, {source}"
+
+
 def check_flags(cfg) -> None:
-    """Ranges, finiteness and choices of every flag; nothing is read."""
+    """Ranges, finiteness and choices of every flag, after settle_host_memory; nothing else is
+    read."""
+    settle_host_memory(cfg)
     for name, holds, rule in _rules(cfg):
         if not holds:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)}: must be {rule}")
@@ -291,16 +317,68 @@ def check_data(
         )
 
 
+# ---- host memory ------------------------------------------------------------------------------
+def cuda_compute_bytes(cfg) -> int:
+    """Bytes per element of a CUDA run's compute dtype (--dtype auto is bfloat16 there)."""
+    return 4 if cfg.dtype == "float32" else 2
+
+
+def check_host_memory(cfg, mc: Qwen3Config, world: int, sp: int, dp: int, origin: str) -> None:
+    """Refuse a CUDA run whose planned host memory per node (memory/plan.py's host_per_node:
+    pinned saved inputs, attention once, --cpu-offload's state, each process's runtime) is more
+    than cfg.host_mem_gb; `origin` says where that limit comes from. CPU runs are not refused:
+    there nothing is pinned and the plan's runtime share (4 GB per process) is CUDA's, so its
+    host figure would turn away the 2-process demo on an 8 GB laptop."""
+    import torch
+
+    from memory.plan import GB, plan_for_run
+
+    if not torch.cuda.is_available():  # train.py runs on CPU exactly then
+        return
+    planned = plan_for_run(cfg, mc, world, sp, dp, cuda_compute_bytes(cfg), "cuda")
+    if planned.fits_host:
+        return
+    fixes = (
+        ["a shorter --seq-len"]
+        + (["--no-save-attention"] if planned.options.save_attention else [])
+        + (["no --cpu-offload"] if planned.options.cpu_offload else [])
+    )
+    raise ConfigError(
+        f"host memory: this run plans {planned.host.per_node / GB:.1f} GB per node, more than the "
+        f"{planned.options.host_mem_gb:.1f} GB it may use ({origin}); try {' or '.join(fixes)}"
+    )
+
+
+def agree_on_host_memory(cfg, origin: str) -> str:
+    """With a process group: every rank takes the smallest cfg.host_mem_gb of all ranks, and the
+    returned origin says so when that is not its own. Each node reads its own machine (MemTotal
+    differs by megabytes even between identical nodes), and ranks that plan with different
+    numbers can choose attention once differently, then disagree on backward's collectives."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return origin
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, cfg.host_mem_gb)
+    if min(values) == cfg.host_mem_gb:
+        return origin
+    cfg.host_mem_gb = min(values)
+    return f"the smallest over the {len(values)} ranks' host memory"
+
+
 # ---- all of it --------------------------------------------------------------------------------
 def check_run(cfg, world: int, local_world: int, *, download: bool = False):
     """(model config or None, model dir or None, sp, dp); see the module docstring."""
+    origin = settle_host_memory(cfg)  # here first, to know where the number comes from
     check_flags(cfg)
+    origin = agree_on_host_memory(cfg, origin)
     mc, model_dir = resolve_model(cfg, download=download)
     if mc is None:  # an unknown hub id before its download: what needs its config waits for it
         return None, None, cfg.sp or local_world, world // (cfg.sp or local_world)
     sp, dp = check_layout(cfg, mc, world, local_world)
     random_init = model_dir is None and cfg.model in MODEL_PRESETS
     check_data(cfg, mc, model_dir, random_init, cfg.steps * cfg.grad_accum * dp)
+    check_host_memory(cfg, mc, world, sp, dp, origin)
     return mc, model_dir, sp, dp
 
 

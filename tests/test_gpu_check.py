@@ -113,7 +113,7 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
         p["planner_flops"]
         == plan(
             load_config("tiny"), 512, gpus=2, sp=2, compute_bytes=4, save_attention=True
-        ).flops_no_attn_recompute
+        ).flops.no_attn_recompute
     )
     assert (
         p["public_recipe"]["step_time_s"] == 380.0 and p["public_recipe"]["peak_gb_per_gpu"] == 56.2

@@ -24,8 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_utils import run_distributed  # noqa: E402
 
-from memory.plan import NORM_CHUNK, plan  # noqa: E402
+from memory.plan import plan  # noqa: E402
 from model.config import Qwen3Config  # noqa: E402
+from model.qwen3 import RMSNORM_CHUNK_ELEMS  # noqa: E402
 
 TINY = replace(Qwen3Config.preset("tiny"), max_position_embeddings=1 << 16)  # GQA 2, head_dim 32
 ODD = replace(
@@ -201,7 +202,7 @@ def _spec(name):
     s = MATRIX[name]
     extra = s[8:]
     flags = extra[-1] if extra and isinstance(extra[-1], dict) else {}
-    nc = next((e for e in extra if isinstance(e, int)), NORM_CHUNK)
+    nc = next((e for e in extra if isinstance(e, int)), RMSNORM_CHUNK_ELEMS)
     return (*s[:8], nc, bool(flags.get("save_attention")), bool(flags.get("cpu_offload")))
 
 
@@ -239,8 +240,8 @@ def measure(names=None, pool: dict | None = None) -> dict:
                 pool[n] = (
                     max((r[k]["pinned"], r[k]["d2h"]) for r in ranks),
                     (
-                        p.saved_inputs_host_per_gpu + p.saved_attention_host_per_gpu,
-                        p.offload_bytes_per_step // 2,
+                        p.host.saved_inputs_per_gpu + p.host.saved_attention_per_gpu,
+                        p.host.offload_bytes_per_step // 2,
                     ),
                 )
     return res

@@ -18,21 +18,20 @@ from dataclasses import replace
 import pytest
 import torch
 
+from memory.buffers import Buffer, layer_saved_bytes
 from memory.plan import (
     GB,
     GiB,
     choose_save_attention,
-    format_plan,
-    layer_saved_bytes,
     max_seq_len,
     param_shapes,
-    pinned_bytes,
     plan,
     plan_for_run,
-    plan_to_dict,
     shard_numel,
 )
+from memory.report import format_plan, plan_to_dict
 from model.config import Qwen3Config
+from model.host_pool import host_bytes_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_8B = Qwen3Config.preset("qwen3-8b")
@@ -119,12 +118,12 @@ def test_state_bytes_equal_allocated_one_gpu(name):
     model = _Logits(Qwen3(cfg).float())
     got = _state_bytes(model, _one_step(model, cfg.vocab_size))
     p = plan(cfg, 16, gpus=1, sp=1)
-    assert (p.param_shards, p.grad_shards, p.optimizer_states) == (
+    assert (p.state.params, p.state.grads, p.state.adamw) == (
         got["params"],
         got["grads"],
         got["optim"],
     )
-    assert p.param_shards == 4 * cfg.num_params()
+    assert p.state.params == 4 * cfg.num_params()
 
 
 def _fake_world(world: int) -> dict:
@@ -197,15 +196,15 @@ def test_state_bytes_equal_fsdp2_shards(fake_world, name):
     """Rank 0 of 4: every parameter's dim 0 is padded to a multiple of 4, then split."""
     cfg, got = CONFIGS[name], fake_world["fsdp"][name]
     p = plan(cfg, 16, gpus=4, sp=1)
-    assert (p.param_shards, p.grad_shards, p.optimizer_states) == (
+    assert (p.state.params, p.state.grads, p.state.adamw) == (
         got["params"],
         got["grads"],
         got["optim"],
     )
     ceil = sum(-(-s[0] // 4) * torch.Size(s[1:]).numel() for s in param_shapes(cfg).values())
-    assert p.param_shards == 4 * ceil
+    assert p.state.params == 4 * ceil
     if name == "odd":  # the padding is really there: rank 0 holds more than a quarter
-        assert p.param_shards // 4 > cfg.num_params() / 4
+        assert p.state.params // 4 > cfg.num_params() / 4
         assert shard_numel((301, 50), 4) == 76 * 50
 
 
@@ -224,28 +223,26 @@ def test_layer_saved_bytes_equal_autograd(fake_world, key):
 # ---- (b) DESIGN.md's memory figures ------------------------------------------------------------------
 def test_naive_saved_inputs_are_288_gib():
     one = plan(QWEN3_8B, T_1M, gpus=1, sp=1, offload=False)
-    assert one.saved_inputs_gpu == one.naive_saved_inputs == 36 * T_1M * 4096 * 2 == 288 * GiB
+    assert one.held.saved_inputs == one.naive_saved_inputs == 36 * T_1M * 4096 * 2 == 288 * GiB
     eight = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
-    assert eight.saved_inputs_gpu == 0
-    assert eight.saved_inputs_host_per_gpu == 36 * 131_072 * 4096 * 2  # 38.6 GB per GPU
-    assert eight.saved_inputs_host_per_gpu == pytest.approx(38.6 * GB, rel=0.005)
-    assert eight.saved_inputs_host_per_gpu * 8 == 288 * GiB  # pinned, per node
+    assert eight.held.saved_inputs == 0
+    assert eight.host.saved_inputs_per_gpu == 36 * 131_072 * 4096 * 2  # 38.6 GB per GPU
+    assert eight.host.saved_inputs_per_gpu == pytest.approx(38.6 * GB, rel=0.005)
+    assert eight.host.saved_inputs_per_gpu * 8 == 288 * GiB  # pinned, per node
 
 
 def test_design_budget_table():
     p = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
-    assert round((p.param_shards + p.grad_shards + p.optimizer_states) / GB, 1) == 16.4
+    assert round((p.state.params + p.state.grads + p.state.adamw) / GB, 1) == 16.4
     assert (
-        0.7 * GB < p.gathered_layers <= p.gathered_params < 3 * GB
+        0.7 * GB < p.layer.gathered_bytes <= p.gathered_params < 3 * GB
     )  # layer 0: it and the embedding
     # without tiling, the recompute keeps four 131,072 x 12,288 bf16 MLP intermediates (3.2 GB each)
     untiled = layer_saved_bytes(QWEN3_8B, 131_072, 8, tiled_mlp=False)
-    assert untiled["MLP gate, up, act, product"] == 4 * 131_072 * 12_288 * 2
+    assert untiled[Buffer.MLP_INTERMEDIATES] == 4 * 131_072 * 12_288 * 2
     big = plan(QWEN3_8B, T_1M, gpus=8, sp=8, tiled_mlp=False)
-    assert big.layer_working_set > p.layer_working_set + 15 * GB
-    assert (
-        p.loss_detail["fp32 lm_head gradient accumulator (V x H)"] == 151_936 * 4096 * 4
-    )  # 2.5 GB
+    assert big.layer.working_bytes > p.layer.working_bytes + 15 * GB
+    assert p.loss.working[Buffer.LM_HEAD_GRAD_ACC] == 151_936 * 4096 * 4  # 2.5 GB
     assert p.fits and p.total < 56.2 * GB  # lighter than the public recipe
     assert not plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False, tiled_mlp=False).fits
 
@@ -253,16 +250,16 @@ def test_design_budget_table():
 # ---- (c) FLOPs -----------------------------------------------------------------------------------
 def test_flops_match_design():
     p = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
-    assert p.flops_full_recompute == pytest.approx(1.52e18, rel=0.01)
-    assert p.flops_no_attn_recompute == pytest.approx(1.2e18, rel=0.01)
-    assert p.step_time_s == pytest.approx(192, abs=1)  # at 989 TFLOP/s on 8 GPUs
-    assert p.step_time_no_attn_recompute_s == pytest.approx(151, abs=1)
-    assert plan(QWEN3_8B, T_1M, gpus=8, sp=8, mfu=0.5).step_time_s == pytest.approx(
-        2 * p.step_time_s
+    assert p.flops.full_recompute == pytest.approx(1.52e18, rel=0.01)
+    assert p.flops.no_attn_recompute == pytest.approx(1.2e18, rel=0.01)
+    assert p.flops.step_time_s == pytest.approx(192, abs=1)  # at 989 TFLOP/s on 8 GPUs
+    assert p.flops.no_attn_recompute_time_s == pytest.approx(151, abs=1)
+    assert plan(QWEN3_8B, T_1M, gpus=8, sp=8, mfu=0.5).flops.step_time_s == pytest.approx(
+        2 * p.flops.step_time_s
     )
     two_rows = plan(QWEN3_8B, T_1M, gpus=16, sp=8)  # dp=2: twice the FLOPs, twice the GPUs
-    assert two_rows.flops_full_recompute == 2 * p.flops_full_recompute
-    assert two_rows.step_time_s == pytest.approx(p.step_time_s)
+    assert two_rows.flops.full_recompute == 2 * p.flops.full_recompute
+    assert two_rows.flops.step_time_s == pytest.approx(p.flops.step_time_s)
 
 
 # ---- (d) the longest sequence ------------------------------------------------------------------------
@@ -284,10 +281,10 @@ def test_max_seq_len_qwen3_8b():
     three = plan(
         QWEN3_8B, 3 * 2**20, **kw
     )  # 3 GiB (3.2 GB) of layer input per GPU: 48 blocks of 64 MiB
-    assert three.saved_inputs_host_per_gpu == 36 * 3 * GiB
-    assert three.offload_bytes_per_step == 2 * 36 * 393_216 * 4096 * 2
+    assert three.host.saved_inputs_per_gpu == 36 * 3 * GiB
+    assert three.host.offload_bytes_per_step == 2 * 36 * 393_216 * 4096 * 2
     for nbytes in (1, 511, 513, 1000, 3 * 2**20 + 7, 10**9 + 1, 3 * GiB, 5 * GiB + 12345):
-        got = pinned_bytes(nbytes)
+        got = host_bytes_for(nbytes)
         assert nbytes <= got and (
             got <= 1.02 * nbytes or nbytes < 64 * 512
         )  # 512 B blocks below 32 KiB
@@ -342,7 +339,7 @@ def test_kv_heads_repeat_when_sp_exceeds_them():
         T_1M * 4 * 128 * 2,
         T_1M * 1 * 128 * 2,
     )  # per rank: 4 query heads, 1 kv head, whole sequence
-    assert saved["q, k, v at SDPA [T, heads/sp, hd]"] == q + 2 * kv
+    assert saved[Buffer.QKV_AT_SDPA] == q + 2 * kv
 
 
 # ---- (f) the outputs and the command line ------------------------------------------------------------
@@ -364,12 +361,12 @@ def test_format_and_dict():
         assert s in text, s
     d = plan_to_dict(p, longest=True)
     json.dumps(d)
-    assert d["param_shards"] == p.param_shards and d["max_seq_len"] > T_1M and d["fits"]
+    assert d["state"]["params"] == p.state.params and d["max_seq_len"] > T_1M and d["fits"]
 
 
 def _cli(*args):
     return subprocess.run(
-        [sys.executable, os.path.join("bench", "memory_plan.py"), *args],
+        [sys.executable, "-m", "memory.report", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -387,7 +384,10 @@ def test_cli_table_json_errors(tmp_path):
     u = _cli("--seq-len", "1048576", "--unfused-norm", "--json")
     assert u.returncode == 0, u.stderr
     d = json.loads(u.stdout)
-    assert d["fused_norm"] is False and d["total"] > plan(QWEN3_8B, T_1M, gpus=8, sp=8).total
+    assert (
+        d["options"]["fused_norm"] is False
+        and d["total"] > plan(QWEN3_8B, T_1M, gpus=8, sp=8).total
+    )
 
     (tmp_path / "config.json").write_text(json.dumps(Qwen3Config.preset("qwen3-0.6b").to_hf()))
     r = _cli(
@@ -408,9 +408,9 @@ def test_cli_table_json_errors(tmp_path):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert (
-        d["sp"] == 2
-        and d["saved_inputs_gpu"] > 0
-        and d["loss_chunk"] == 512
+        d["layout"]["sp"] == 2
+        and d["held"]["saved_inputs"] > 0
+        and d["options"]["loss_chunk"] == 512
         and d["max_seq_len"] > 0
     )
 
@@ -426,23 +426,22 @@ def test_save_attention_flops_are_one_attention_forward_less():
     causal attention forward per layer, 2 products x T^2/2 x heads x head_dim x 2 FLOPs each."""
     on = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
     off = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=False)
-    assert on.flops_step == on.flops_no_attn_recompute == pytest.approx(1.20e18, rel=0.01)
-    assert off.flops_step == off.flops_full_recompute == pytest.approx(1.52e18, rel=0.01)
-    assert off.flops_step - on.flops_step == pytest.approx(
+    assert on.flops.step == on.flops.no_attn_recompute == pytest.approx(1.20e18, rel=0.01)
+    assert off.flops.step == off.flops.full_recompute == pytest.approx(1.52e18, rel=0.01)
+    assert off.flops.step - on.flops.step == pytest.approx(
         36 * 2 * 2 * T_1M**2 / 2 * 32 * 128, rel=1e-12
     )
-    assert on.step_time_s == pytest.approx(151, abs=1) and off.step_time_s == pytest.approx(
-        192, abs=1
-    )
-    assert on.step_time_s == pytest.approx(on.flops_step / (8 * 989e12), rel=1e-12)
+    assert on.flops.step_time_s == pytest.approx(
+        151, abs=1
+    ) and off.flops.step_time_s == pytest.approx(192, abs=1)
+    assert on.flops.step_time_s == pytest.approx(on.flops.step / (8 * 989e12), rel=1e-12)
 
 
 def test_save_attention_host_bytes_are_the_pools():
     """Host memory per GPU: L-1 layers' input, out [T, nh/sp, hd] and fp32 lse [nh/sp, T], each
-    laid out in the pool's blocks (model/host_pool.py host_bytes_for, rounded per tensor); the last
-    layer's three stay on the device and show up in the loss phase."""
+    laid out in the pool's blocks (model/host_pool.py host_bytes_for, rounded per tensor); the last layer's
+    three stay on the device and show up in the loss phase."""
     from model.attention import saved_attention_bytes
-    from model.host_pool import host_bytes_for
 
     for T in (T_1M, 3 * T_1M + 8 * 1024 * 5):  # powers of two, and lengths the blocks round up
         on = plan(QWEN3_8B, T, gpus=8, sp=8, save_attention=True)
@@ -454,21 +453,21 @@ def test_save_attention_host_bytes_are_the_pools():
             4 * T * 4,
         )  # [t, H], [T, 32/8, 128] bf16, [32/8, T] fp32
         assert out + lse == saved_attention_bytes(T, 32, 128, 2, sp=8)
-        assert on.saved_attention_host_per_gpu == 35 * (host_bytes_for(out) + host_bytes_for(lse))
-        assert on.saved_inputs_host_per_gpu == 35 * host_bytes_for(x)
+        assert on.host.saved_attention_per_gpu == 35 * (host_bytes_for(out) + host_bytes_for(lse))
+        assert on.host.saved_inputs_per_gpu == 35 * host_bytes_for(x)
         assert (
-            off.saved_inputs_host_per_gpu == 36 * host_bytes_for(x)
-            and off.saved_attention_host_per_gpu == 0
+            off.host.saved_inputs_per_gpu == 36 * host_bytes_for(x)
+            and off.host.saved_attention_per_gpu == 0
         )
-        assert on.host_per_node - off.host_per_node == 8 * (
+        assert on.host.per_node - off.host.per_node == 8 * (
             35 * (host_bytes_for(out) + host_bytes_for(lse)) - host_bytes_for(x)
         )
-        assert on.offload_bytes_per_step == 2 * 35 * (x + out + lse)
-        key = "last layer's input, attention out and lse (attention once, on the device)"
-        assert on.loss_detail[key] == x + out + lse and key not in off.loss_detail
-        assert on.saved_attention_gpu == 0 and on.held == off.held
+        assert on.host.offload_bytes_per_step == 2 * 35 * (x + out + lse)
+        key = Buffer.LAST_LAYER_KEPT
+        assert on.loss.working[key] == x + out + lse and key not in off.loss.working
+        assert on.held.saved_attention == 0 and on.held.bytes == off.held.bytes
     at_1m = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
-    assert at_1m.saved_attention_host_per_gpu == 35 * (
+    assert at_1m.host.saved_attention_per_gpu == 35 * (
         2**30 + 2**24
     )  # 1 GiB + 16 MiB per layer per GPU
 
@@ -476,13 +475,13 @@ def test_save_attention_host_bytes_are_the_pools():
 def test_save_attention_without_offload_stays_on_the_gpu():
     on = plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False, save_attention=True)
     off = plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False)
-    assert on.saved_attention_host_per_gpu == 0 and on.host_per_node == off.host_per_node
-    assert on.saved_attention_gpu == 35 * (2**30 + 2**24)  # the layer in backward counts its own
-    key = "last layer's input, attention out and lse (attention once, on the device)"
+    assert on.host.saved_attention_per_gpu == 0 and on.host.per_node == off.host.per_node
+    assert on.held.saved_attention == 35 * (2**30 + 2**24)  # the layer in backward counts its own
+    key = Buffer.LAST_LAYER_KEPT
     assert (
-        on.loss_detail[key] == 2**30 + 2**24
+        on.loss.working[key] == 2**30 + 2**24
     )  # its input is among the saved inputs on the GPU already
-    assert on.total - off.total >= on.saved_attention_gpu
+    assert on.total - off.total >= on.held.saved_attention
 
 
 def test_pool_pins_what_the_plan_says():
@@ -513,12 +512,12 @@ def test_pool_pins_what_the_plan_says():
             offload_min_bytes=min_bytes,
             device="cpu",
         )
-        assert s.pinned_bytes == p.saved_inputs_host_per_gpu + p.saved_attention_host_per_gpu, (
+        assert s.pinned_bytes == p.host.saved_inputs_per_gpu + p.host.saved_attention_per_gpu, (
             save,
             min_bytes,
         )
-        assert 2 * s.d2h_bytes == p.offload_bytes_per_step, (save, min_bytes)
-    assert p.saved_attention_gpu == 2 * 4 * T * 4  # two layers' lse kept on the device
+        assert 2 * s.d2h_bytes == p.host.offload_bytes_per_step, (save, min_bytes)
+    assert p.held.saved_attention == 2 * 4 * T * 4  # two layers' lse kept on the device
 
 
 def test_choose_save_attention_and_longest_rows():
@@ -554,8 +553,11 @@ def test_plan_for_run_reads_save_attention():
         model="qwen3-8b",
     )
     auto = plan_for_run(cfg, QWEN3_8B, 8, 8, 1, torch.bfloat16, "cuda")  # no attribute: automatic
-    assert not auto.save_attention and "over --host-mem-gb 2000" in auto.save_attention_why
-    assert auto.save_attention == choose_save_attention(
+    assert (
+        not auto.options.save_attention
+        and "over --host-mem-gb 2000" in auto.options.save_attention_why
+    )
+    assert auto.options.save_attention == choose_save_attention(
         QWEN3_8B,
         4 * T_1M,
         gpus=8,
@@ -568,9 +570,9 @@ def test_plan_for_run_reads_save_attention():
         SimpleNamespace(**vars(cfg), save_attention=True), QWEN3_8B, 8, 8, 1, 2, "cuda"
     )
     assert (
-        forced.save_attention
+        forced.options.save_attention
         and not forced.fits_host
-        and forced.save_attention_why == "--save-attention"
+        and forced.options.save_attention_why == "--save-attention"
     )
     short = plan_for_run(
         SimpleNamespace(**{**vars(cfg), "seq_len": T_1M}, save_attention=None),
@@ -581,7 +583,7 @@ def test_plan_for_run_reads_save_attention():
         2,
         "cuda",
     )
-    assert short.save_attention and short.flops_step == short.flops_no_attn_recompute
+    assert short.options.save_attention and short.flops.step == short.flops.no_attn_recompute
 
 
 def test_dry_run_shows_both_variants():
@@ -602,7 +604,7 @@ def test_dry_run_shows_both_variants():
     assert r.returncode == 0, r.stderr
     assert "recomputed <- this run" in r.stdout and "auto: it would need" in r.stdout
     d = json.loads(_cli("--seq-len", str(4 * T_1M), "--save-attention", "--json").stdout)
-    assert d["save_attention"] is True and d["fits_host"] is False
+    assert d["options"]["save_attention"] is True and d["fits_host"] is False
     assert d["max_seq_len_by_save_attention"] == {"true": n_on, "false": n_off}
 
 
@@ -631,31 +633,36 @@ def test_cpu_offload_moves_the_state_to_host():
     ]  # rank 0's padded shard of each parameter
     # host per GPU: parameter and gradient shards pinned one buffer each, the two AdamW moments pageable
     state = sum(2 * _pow2(4 * n) + 2 * 4 * n for n in rows)
-    assert on.state_host_per_gpu == state and on.host_per_node - off.host_per_node == 8 * state
+    assert on.host.cpu_state_per_gpu == state and on.host.per_node - off.host.per_node == 8 * state
     assert (
         1.1 < state / (16 * sum(rows)) < 1.25
     )  # the rounding costs 10-25% over the 16 B per parameter
     assert (
-        off.held - on.held == 3 * 4 * sum(rows)
-        and "gradient shards reduced so far" not in on.layer_detail
+        off.held.bytes - on.held.bytes == 3 * 4 * sum(rows)
+        and Buffer.GRAD_SHARDS not in on.layer.working
     )
     # the GPU keeps one unit's fp32 shards on their way in and one unit's gradient shards on their way out
     layer = sum(rows[1:12])  # rows[0] is the embedding, then layer 0's 11 parameters
-    staged = {k: v for k, v in on.layer_detail.items() if "(CPU offload)" in k}
+    cpu_offload_buffers = (Buffer.STAGED_SHARDS, Buffer.STAGED_GRADS)
+    staged = {k: v for k, v in on.layer.working.items() if k in cpu_offload_buffers}
     assert list(staged.values()) == [4 * layer, 4 * layer]
     cpu = plan(QWEN3_8B, T_1M, cpu_offload=True, device="cpu", **kw)
-    assert not any("(CPU offload)" in k for k in cpu.layer_detail)
+    assert not any(k in cpu_offload_buffers for k in cpu.layer.working)
     # PCIe: every unit's shards in for each gather (twice, but once for the last layer and the
     # [norm + lm_head] unit, which stay gathered from forward to backward), every gradient shard out
     head = rows[-1] + rows[-2]
-    assert on.state_transfer_bytes_per_step == 4 * (2 * sum(rows) - layer - head) + 4 * sum(rows)
-    assert on.cpu_adamw_bytes_per_node == 8 * 23 * 4 * sum(
+    assert on.cpu_offload_cost.transfer_bytes_per_step == 4 * (
+        2 * sum(rows) - layer - head
+    ) + 4 * sum(rows)
+    assert on.cpu_offload_cost.adamw_bytes_per_node == 8 * 23 * 4 * sum(
         rows
-    ) and on.cpu_adamw_time_s == pytest.approx(on.cpu_adamw_bytes_per_node / 200e9)
+    ) and on.cpu_offload_cost.adamw_time_s == pytest.approx(
+        on.cpu_offload_cost.adamw_bytes_per_node / 200e9
+    )
     assert (
-        off.state_host_per_gpu
-        == off.state_transfer_bytes_per_step
-        == off.cpu_adamw_bytes_per_node
+        off.host.cpu_state_per_gpu
+        == off.cpu_offload_cost.transfer_bytes_per_step
+        == off.cpu_offload_cost.adamw_bytes_per_node
         == 0
     )
     # issue 12's goals, projected at the recipe: <= 30 GB per GPU, >= 5,242,880 tokens on 8 x 80 GB
@@ -678,12 +685,12 @@ def test_cpu_offload_through_plan_for_run_cli_and_table():
         cpu_offload=True,
     )
     p = plan_for_run(cfg, QWEN3_8B, 8, 8, 1, torch.bfloat16, "cuda")
-    assert p.cpu_offload and p.state_host_per_gpu > 0
+    assert p.options.cpu_offload and p.host.cpu_state_per_gpu > 0
     assert not plan_for_run(
         SimpleNamespace(**{**vars(cfg), "cpu_offload": False}), QWEN3_8B, 8, 8, 1, 2, "cuda"
-    ).cpu_offload
+    ).options.cpu_offload
     text = format_plan(p)
     assert "in host memory (CPU offload)" in text and "with --no-cpu-offload" in text
     assert "with --cpu-offload" in format_plan(plan(QWEN3_8B, T_1M, gpus=8, sp=8, host_mem_gb=2000))
     d = json.loads(_cli("--cpu-offload", "--json").stdout)
-    assert d["cpu_offload"] is True and d["gb_per_gpu"]["total"] < 30
+    assert d["options"]["cpu_offload"] is True and d["gb_per_gpu"]["total"] < 30

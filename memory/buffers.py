@@ -1,0 +1,268 @@
+"""What one GPU holds inside a recomputed decoder layer's backward and the chunked loss, by moment.
+
+    from memory.buffers import Buffer, layer_backward_moments, layer_saved_bytes
+    saved = layer_saved_bytes(Qwen3Config.preset("qwen3-8b"), 131_072, sp=8)
+    saved[Buffer.MLP_INPUT]                      # bytes of the MLP's saved input on one GPU
+    layer_backward_moments(config, 131_072, 8)   # {"MLP backward": {Buffer: bytes}, ...}
+
+Buffer names every kind of tensor memory/plan.py counts (these activations, FSDP2's gathered
+units and fp32 buffers, the loss's tensors); its value is only the label shown to users, so the
+planner's sums never depend on wording. Sizes are per GPU at `tokens` local tokens, arithmetic on
+the config: nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from model.config import Qwen3Config
+from model.qwen3 import RMSNORM_CHUNK_ELEMS
+
+
+class Buffer(str, Enum):
+    """A tensor, or tensors freed together, that one GPU holds at some moment of the step."""
+
+    # one decoder layer's saved tensors once recomputed, in the order its forward saves them
+    INPUT_NORM = "input norm"
+    NORMED_INPUT = "normed input (q, k, v projections)"
+    QK_NORMS = "q and k per-head norms"
+    QKV_AT_SDPA = "q, k, v at SDPA [T, heads/sp, hd]"
+    ATTN_OUT = "attention out [T, heads/sp, hd] (SDPA)"
+    ATTN_LSE = "SDPA logsumexp, fp32"
+    O_PROJ_INPUT = "o_proj input (all-to-all back)"
+    POST_NORM = "post-attention norm"
+    MLP_INPUT = "MLP input (normed h)"
+    MLP_INTERMEDIATES = "MLP gate, up, act, product"
+    # around a layer's backward
+    LAYER_INPUT = "layer input, copied back from host"
+    NEXT_INPUT = "next layer's input, prefetched from host"
+    ROPE = "RoPE cos and sin (shared by all layers)"
+    OUTPUT_GRAD = "output gradient dy"
+    MLP_TILE = "MLP tile: gate, up, act, product + grads of product, act, up"
+    MLP_WEIGHT_GRAD_ACC = "MLP fp32 weight-gradient accumulators (3 x H x I)"
+    MLP_INPUT_GRAD_BUFFER = "MLP input-gradient buffer"
+    MLP_BACKWARD = "MLP: gate, up, act + grads of product, act, up"
+    MLP_INPUT_GRAD = "MLP input gradient"
+    NORM_INPUT_GRAD = "norm input gradient"
+    NORM_TEMPORARIES = "RMSNorm backward fp32 temporaries (one row chunk)"
+    RESIDUAL_GRAD = "residual gradient dh"
+    ATTN_OUT_GRAD = "gradient of attention out [T, heads/sp, hd]"
+    QKV_GRAD_AT_SDPA = "dq, dk, dv [T, heads/sp, hd]"
+    FLASH_WORKSPACE = "FlashAttention fp32 dq accumulator and delta"
+    QKV_GRAD = "dq, dk, dv [t, heads, hd]"
+    LAYER_GRADS = "this layer's unsharded gradients so far"
+    # FSDP2
+    GATHERED_LAYER = "gathered layer (bf16)"
+    NEXT_UNIT = "next unit, prefetched"
+    TIED_EMBEDDING = "tied embedding (root unit)"
+    GATHERED_HEAD = "embedding or [norm + lm_head] unit, gathered (bf16)"
+    GATHERED_LAST_LAYER = "last layer, gathered since its forward (bf16)"
+    REDUCE_SCATTER_INPUT = "fp32 reduce-scatter input of the unit before"
+    GRAD_SHARDS = "gradient shards reduced so far"
+    STAGED_SHARDS = "fp32 shards copied to the GPU (CPU offload)"
+    STAGED_GRADS = "fp32 gradient shards before the host copy (CPU offload)"
+    # the loss
+    FINAL_NORM = "final norm input and rstd"
+    HIDDEN = "hidden states (final norm output)"
+    HIDDEN_GRAD = "hidden gradient [N, H]"
+    LM_HEAD_GRAD_ACC = "fp32 lm_head gradient accumulator (V x H)"
+    LOSS_CHUNK = "one chunk: fp32 logits and log-probabilities, bf16 p (+ CPU bf16 temporaries)"
+    LM_HEAD_GRAD = "lm_head gradient in the weight's dtype"
+    HIDDEN_GRAD_SCALED = "hidden gradient and its scaled copy"
+    LAST_LAYER_KEPT = "last layer's input, attention out and lse (attention once, on the device)"
+
+
+def _norm_saved(rows: int, dim: int, b: int, fused: bool, input_elsewhere: bool) -> int:
+    """Bytes an RMSNorm over [rows, dim] saves for backward, leaving out its weight (a parameter).
+
+    Fused (model/qwen3.py's _RMSNormFn, or F.rms_norm's CUDA kernel): the input itself, unless
+    another op keeps it anyway, and the fp32 rstd. Unfused (transformers, or the same arithmetic
+    left to autograd: normalise in fp32, cast, scale): an fp32 copy of the input, the normalised
+    bf16 tensor and the fp32 rstd.
+    """
+    if fused:
+        return (0 if input_elsewhere else rows * dim * b) + rows * 4
+    return rows * dim * (4 + b) + rows * 4
+
+
+def layer_saved_bytes(
+    config: Qwen3Config,
+    tokens: int,
+    sp: int,
+    *,
+    fused_norm: bool = True,
+    tiled_mlp: bool = True,
+    compute_bytes: int = 2,
+) -> dict[Buffer, int]:
+    """What autograd keeps for one decoder layer's backward once it has been recomputed.
+
+    Per GPU at `tokens` local tokens, in the order the forward saves it, leaving out the layer
+    input (held by the checkpoint), the parameters and the shared RoPE tables. Checked against
+    model/qwen3.py's DecoderLayer with model/ulysses.py's attention in tests/test_memory_plan.py.
+    RoPE saves only cos/sin; SDPA (flash, with enable_gqa: kv heads are not repeated to the query
+    heads) saves q, k, v, out and an fp32 logsumexp; with sp = 1 o_proj's input is a view of
+    SDPA's out, with sp > 1 it is the all-to-all's result; a tiled MLP saves only its input.
+    """
+    c, b, t = config, compute_bytes, tokens
+    H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    nh, nkv = c.num_attention_heads, c.num_key_value_heads
+    X, Q = t * H * b, t * nh * hd * b  # hidden-sized; q-sized ([t, nh, hd] == [T, nh/sp, hd])
+    K = t * max(nkv, sp) * hd * b  # k or v at SDPA: [T, nkv/sp, hd]; one repeated head if sp > nkv
+    return {
+        Buffer.INPUT_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=True),
+        Buffer.NORMED_INPUT: X,
+        Buffer.QK_NORMS: _norm_saved(t * nh, hd, b, fused_norm, False)
+        + _norm_saved(t * nkv, hd, b, fused_norm, False),
+        Buffer.QKV_AT_SDPA: Q + 2 * K,
+        Buffer.ATTN_OUT: Q,
+        Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T]
+        Buffer.O_PROJ_INPUT: Q if sp > 1 else 0,
+        Buffer.POST_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=False),
+        Buffer.MLP_INPUT: X,
+        Buffer.MLP_INTERMEDIATES: 0 if tiled_mlp else 4 * t * inter * b,
+    }
+
+
+def _saved_through(saved: dict[Buffer, int], last: Buffer) -> dict[Buffer, int]:
+    """What is left of `saved` (in forward order) when backward reaches the op that saved `last`:
+    backward runs the ops last to first and frees each one's saved tensors behind it."""
+    order = list(saved)
+    return {k: saved[k] for k in order[: order.index(last) + 1]}
+
+
+def layer_backward_moments(
+    config: Qwen3Config,
+    tokens: int,
+    sp: int,
+    *,
+    offload: bool = True,
+    tiled_mlp: bool = True,
+    mlp_tile: int = 8192,
+    fused_norm: bool = True,
+    compute_bytes: int = 2,
+    device: str = "cuda",
+    norm_chunk: int = RMSNORM_CHUNK_ELEMS,
+) -> dict[str, dict[Buffer, int]]:
+    """The activation bytes of one recomputed decoder layer's backward at its four moments.
+
+    In the order they come, each with what the recompute saved and is still live, the layer
+    input and the next one's (offload), and the moment's own tensors:
+      "MLP backward": the product's backward holds gate, up, act and the gradients of product,
+        act and up: 6 x [t, intermediate]; tiled, 7 x [tile, intermediate] (the tile's product
+        stays referenced), fp32 weight-gradient accumulators and a full input-gradient buffer;
+      "post-attention norm backward": its input gradients and one row chunk of fp32 temporaries;
+      "attention backward": SDPA's backward writes dq, dk, dv, with FlashAttention's fp32 dq
+        accumulator (a CUDA kernel's own workspace, invisible to a CPU meter);
+      "q/k norm backward": after SDPA and the exchanges, the q norm's fp32 temporaries for one row
+        chunk (model/qwen3.py's _RMSNormFn: the normalised rows, the upcast gradient and two
+        partial results of the last expression, live together at its final product).
+    The all-to-all's staging copies (3 q-sized buffers around one exchange) and a tile's bf16
+    weight-gradient products come at moments that hold less than these.
+    """
+    c, b, t = config, compute_bytes, tokens
+    H, inter, hd, nh = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads
+    X, Q = t * H * b, t * nh * hd * b
+    K = t * max(c.num_key_value_heads, sp) * hd * b
+    Kl = t * c.num_key_value_heads * hd * b  # k or v before any repeat, [t, nkv, hd]
+    saved = layer_saved_bytes(c, t, sp, fused_norm=fused_norm, tiled_mlp=tiled_mlp, compute_bytes=b)
+    io = {  # without offload the layer input is on the GPU already, among the held saved inputs
+        Buffer.LAYER_INPUT: X if offload else 0,
+        Buffer.NEXT_INPUT: X if offload else 0,
+        Buffer.ROPE: 2 * t * hd * b,
+    }
+    if tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
+        mlp = {
+            Buffer.OUTPUT_GRAD: X,
+            Buffer.MLP_TILE: 7 * min(mlp_tile, t) * inter * b,
+            Buffer.MLP_WEIGHT_GRAD_ACC: 3 * H * inter * 4,
+            Buffer.MLP_INPUT_GRAD_BUFFER: X,
+        }
+    else:  # the product itself is freed at its backward; gate, up and act are counted here
+        mlp = {Buffer.OUTPUT_GRAD: X, Buffer.MLP_BACKWARD: 6 * t * inter * b}
+    post = {
+        Buffer.OUTPUT_GRAD: X,
+        Buffer.MLP_INPUT_GRAD: X,
+        Buffer.NORM_INPUT_GRAD: X,
+        Buffer.NORM_TEMPORARIES: 4 * min(t * H, norm_chunk) * 4,
+    }
+    attn = {
+        Buffer.RESIDUAL_GRAD: X,
+        Buffer.ATTN_OUT_GRAD: Q,
+        Buffer.QKV_GRAD_AT_SDPA: Q + 2 * K,
+        Buffer.FLASH_WORKSPACE: 2 * Q + t * nh * 4 if device == "cuda" else 0,
+    }
+    qk = {
+        Buffer.RESIDUAL_GRAD: X,
+        Buffer.QKV_GRAD: Q + 2 * Kl,
+        Buffer.NORM_TEMPORARIES: 4 * min(t * nh * hd, norm_chunk) * 4,
+    }
+    # The layer's own unsharded gradients (compute dtype) made by each moment: backward runs the
+    # MLP (down_proj first), then o_proj, SDPA, the q/k norms, then the projections.
+    HI, HQ = H * inter * b, H * nh * hd * b
+    return {
+        "MLP backward": {
+            **io,
+            **_saved_through(saved, Buffer.MLP_INPUT),
+            **mlp,
+            Buffer.LAYER_GRADS: 0 if tiled_mlp else HI,
+        },
+        "post-attention norm backward": {
+            **io,
+            **_saved_through(saved, Buffer.POST_NORM),
+            **post,
+            Buffer.LAYER_GRADS: 3 * HI,
+        },
+        "attention backward": {
+            **io,
+            **_saved_through(saved, Buffer.ATTN_LSE),
+            **attn,
+            Buffer.LAYER_GRADS: 3 * HI + HQ,
+        },
+        "q/k norm backward": {
+            **io,
+            **_saved_through(saved, Buffer.QK_NORMS),
+            **qk,
+            Buffer.LAYER_GRADS: 3 * HI + HQ,
+        },
+    }
+
+
+def loss_moments(
+    config: Qwen3Config,
+    tokens: int,
+    *,
+    loss_chunk: int = 256,
+    fused_norm: bool = True,
+    compute_bytes: int = 2,
+    device: str = "cuda",
+) -> dict[str, dict[Buffer, int]]:
+    """The chunked loss's tensors (loss/chunked_ce.py) at its two largest moments.
+
+    "loss forward", inside the chunk loop: the final norm's input and output (the hidden states
+    the loss reads), the [N, H] hidden gradient and the fp32 V x H weight-gradient accumulator it
+    makes in forward, and one chunk's buffers: fp32 logits and log-probabilities, for bf16 the
+    probabilities p, and where no bf16 GEMM writes fp32 (CPU) the bf16 logits and a [V, H] bf16
+    product. "loss backward": the accumulator and its cast to the weight's dtype, the hidden
+    gradient and its scaled copy (train.py drops the hidden states).
+    """
+    c, b = config, compute_bytes
+    V, H = c.vocab_size, c.hidden_size
+    X, rows = tokens * H * b, min(loss_chunk, tokens)
+    low, fused = b < 4, device == "cuda"
+    chunk = rows * V * (8 + (b if low else 0) + (b if low and not fused else 0))
+    norm = _norm_saved(tokens, H, b, fused_norm, input_elsewhere=False)
+    return {
+        "loss forward": {
+            Buffer.FINAL_NORM: norm,
+            Buffer.HIDDEN: X,
+            Buffer.HIDDEN_GRAD: X,
+            Buffer.LM_HEAD_GRAD_ACC: V * H * 4,
+            Buffer.LOSS_CHUNK: chunk + (V * H * b if low and not fused else 0),
+        },
+        "loss backward": {
+            Buffer.FINAL_NORM: norm,
+            Buffer.LM_HEAD_GRAD_ACC: V * H * 4,
+            Buffer.LM_HEAD_GRAD: V * H * b,
+            Buffer.HIDDEN_GRAD_SCALED: 2 * X,
+        },
+    }
