@@ -522,12 +522,13 @@ def rehearse(cfg: TrainConfig) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from memory.rehearsal import (
-        PHASES,
         StepRehearsal,
         fake_process_group,
         gpu_only_terms,
+        summarize,
         write_timeline,
     )
+    from model.attention import backward_workspace_bytes
 
     world = int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 8
     check_flags(cfg)
@@ -565,7 +566,12 @@ def rehearse(cfg: TrainConfig) -> None:
                 )
                 micro_batches = [dict(batch) for _ in range(cfg.grad_accum)]
                 rehearsal = StepRehearsal(
-                    model, optimizer, pool, count_flops=step == 1 and not os.environ.get("NOFLOP"), host_state=cfg.cpu_offload
+                    model,
+                    optimizer,
+                    pool,
+                    layers=model.model.layers,
+                    count_flops=step == 1,
+                    host_state=cfg.cpu_offload,
                 )
                 with rehearsal:
                     train_step(model, optimizer, micro_batches, cfg)
@@ -573,51 +579,29 @@ def rehearse(cfg: TrainConfig) -> None:
             peak = rehearsal.meter.peak_bytes / 1e9
             log0(f"rehearse: step {step} in {time.perf_counter() - t0:.1f} s, peak {peak:.2f} GB")
         pool.reset_step()
-    report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps, PHASES, gpu_only_terms)
-    path = os.path.join(cfg.out, "memory_timeline.png")
-    os.makedirs(cfg.out, exist_ok=True)
-    title = f"{cfg.model}, {cfg.seq_len:,} tokens, sp {sp} x dp {dp}: step 2 on fake tensors"
-    if write_timeline(path, steps[1].meter.timeline, planned.total, title):
-        log0(f"rehearse: {path}")
-    else:
-        log0("rehearse: no picture (python3 -m pip install matplotlib); the table above has it")
-
-
-def report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps, phases, gpu_only_terms):
-    first, second = steps
-    log0("phase         step 1 GB   step 2 GB")
-    for phase in phases:
-        a = first.meter.phase_peaks.get(phase, 0) / 1e9
-        b = second.meter.phase_peaks.get(phase, 0) / 1e9
-        log0(f"{phase:<12} {a:>10.2f} {b:>11.2f}")
-    log0("largest live tensors at the step-2 peak (bytes, op, shape, where it was made):")
-    for n, what in second.meter.at_peak[:8]:
-        log0(f"  {n / 1e9:8.3f} GB  {what}")
-    flops = first.flops_total
-    layers = first.flops_by_layer()
-    per_layer = [v for k, v in layers.items() if k.startswith("layers.")]
-    planned_flops = step_flops(mc, cfg.seq_len)
-    which = "no_attn_recompute" if planned.options.save_attention else "full_recompute"
-    log0(
-        f"FLOPs per rank per step (causal attention counted as half): {flops:.3e} rehearsed, "
-        f"{planned_flops[which] / world:.3e} planned; per layer {per_layer[0]:.3e}, "
-        f"outside the layers {layers['other']:.3e}"
-    )
+    # The plan of this CPU path is what the rehearsal measures; the GPU terms come on top.
     cpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cpu")
-    log0(f"planned for this CPU path: {cpu_plan.total / 1e9:.2f} GB per GPU")
-    gpu = gpu_only_terms(attention_workspace_bytes(cfg, mc, sp), world)
-    for name, n, source in gpu:
-        log0(f"  GPU-only: {name}: {n / 1e9:.2f} GB ({source})")
-    x = second.meter.peak_bytes / 1e9
-    y = sum(n for _, n, _ in gpu) / 1e9
-    log0(f"rehearsed {x:.2f} + GPU-only {y:.2f} = {x + y:.2f} GB per GPU")
-
-
-def attention_workspace_bytes(cfg, mc, sp) -> int:
-    from model.attention import backward_workspace_bytes
-
     padded_row = math.ceil(cfg.seq_len / sp) * sp
-    return backward_workspace_bytes(padded_row, mc.num_attention_heads // sp, mc.head_dim)
+    workspace = backward_workspace_bytes(padded_row, mc.num_attention_heads // sp, mc.head_dim)
+    flops_planned = step_flops(mc, cfg.seq_len)
+    recompute = "no_attn_recompute" if planned.options.save_attention else "full_recompute"
+    lines, record = summarize(
+        steps, cpu_plan, flops_planned[recompute] / world, gpu_only_terms(workspace, world)
+    )
+    for line in lines:
+        log0(line)
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "rehearsal.json"), "w") as fh:
+        json.dump(record, fh, indent=1)
+    path = os.path.join(cfg.out, "memory_timeline.png")
+    title = f"{cfg.model}, {cfg.seq_len:,} tokens, sp {sp} x dp {dp}: step 2 on fake tensors"
+    if write_timeline(path, steps[1].meter.timeline, cpu_plan.total, title):
+        log0(f"rehearse: {cfg.out}/rehearsal.json, {path}")
+    else:
+        log0(
+            f"rehearse: {cfg.out}/rehearsal.json; no picture without matplotlib "
+            f"(python3 -m pip install matplotlib): the table above has its numbers"
+        )
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -752,6 +736,7 @@ def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
         model_dir=model_dir,
         param_dtype=dtype,
         cpu_offload=cfg.cpu_offload,
+        seed=cfg.seed,
         fake_mode=fake_mode,
     )
     if fake_mode is not None:
