@@ -569,6 +569,7 @@ def rehearse(cfg: TrainConfig) -> None:
                     model,
                     optimizer,
                     pool,
+                    batch=batch.values(),
                     layers=model.model.layers,
                     count_flops=step == 1,
                     host_state=cfg.cpu_offload,

@@ -153,11 +153,25 @@ class StepRehearsal:
     """
 
     def __init__(
-        self, model, optimizer, pool, *, layers=(), count_flops: bool = False, host_state=False
+        self,
+        model,
+        optimizer,
+        pool,
+        *,
+        batch=(),
+        layers=(),
+        count_flops: bool = False,
+        host_state=False,
     ):
         self.model, self.optimizer = model, optimizer
         self.meter = StepMeter(
-            "cpu", model=model, optimizer=optimizer, host=pool, host_state=host_state, record=True
+            "cpu",
+            model=model,
+            optimizer=optimizer,
+            baseline=list(batch),  # this rank's input ids, positions and labels
+            host=pool,
+            host_state=host_state,
+            record=True,
         )
         self.flops = FlopCount(layers) if count_flops else None
         self._handles = []
