@@ -1,5 +1,11 @@
 """Cross-entropy over a large vocabulary, computed in row chunks so the logits never exist whole.
 
+To use it elsewhere: copy this file alone; it needs torch only. README's "Use a piece in your own
+code" applies it to transformers' Qwen3ForCausalLM.
+
+    loss_sum = chunked_cross_entropy(hidden, lm_head.weight, labels)   # [N, H], [V, H], [N]
+    loss = group_mean_loss(loss_sum, labels, group)   # / the labels counted on every rank
+
 For one row h [H] with logits z = W h [V] and label t:
 
     loss  = logsumexp(z) - z[t]
@@ -16,10 +22,14 @@ fp32, and the weight gradient is accumulated over chunks in fp32 and cast once. 
 [chunk, V] fp32 buffers (logits, log-probabilities) and p in bf16 for bf16 inputs, the [N, H]
 hidden gradient and the [V, H] fp32 weight-gradient accumulator; never anything [N, V].
 
-Depends on nothing but torch; copy it freely.
+Over several ranks (data parallel, or a row split by sequence parallelism) the mean is the sum of
+every rank's loss over the labels counted on all of them, not the mean of the ranks' means: those
+differ whenever the ranks count different numbers of labels (padding, a prompt left out, the
+row's last token).
 """
 
 import torch
+import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -212,3 +222,18 @@ def chunked_cross_entropy(
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
     )
+
+
+def group_mean_loss(loss_sum, labels, group=None, *, ignore_index=-100):
+    """This rank's share of the mean loss over `group`: loss_sum / the labels counted (labels !=
+    ignore_index) on every rank of the group; without torch.distributed initialised, on this
+    process alone. No labels anywhere: loss_sum / 1 (zero loss, zero gradients, no NaN).
+
+    The shares add up to the group's mean, and the ranks' gradients to its gradient: sum them
+    (all_reduce SUM; FSDP2 with set_gradient_divide_factor(1)). A wrapper that averages over the
+    group (DDP, FSDP2 by default) needs the share multiplied by the group's size.
+    """
+    count = (labels != ignore_index).sum().to(torch.float64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(count, group=group)
+    return loss_sum / count.clamp(min=1).to(loss_sum.dtype)

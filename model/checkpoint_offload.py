@@ -1,5 +1,8 @@
 """Checkpoint with offload: each decoder layer keeps only its input, in host memory.
 
+To use it elsewhere: copy this file and model/host_pool.py; they need torch only. README's "Use a
+piece in your own code" applies offload_layers to transformers' Qwen3ForCausalLM.
+
     pool = apply_offload(model, tile_mlp=8192)    # every model.model.layers[i], in place
     offload_layers(hf_model.model.layers, pool)   # or any list of decoder layers, any pool
     pool.reserve(36, (1, T, hidden), torch.bfloat16, "cuda")   # all host blocks, before step 1
@@ -48,6 +51,8 @@ through the hooks (a hidden state passed by keyword would otherwise stay on the 
 Attention once needs the layer's attention to call model.attention.attention (ours does); other
 layers keep nothing in the store and recompute attention as plain checkpointing does. tile_mlp
 needs a SwiGLU `mlp` submodule with gate_proj, up_proj and down_proj (model/tiled_mlp.py).
+Those two, and apply_offload's default pool, import their module of this package where they are
+used, so offload_layers with a HostPool of one's own runs on this file and host_pool.py alone.
 
 The wrapper replaces the layer *instance's* `forward` (nothing is inserted into the module tree,
 so state_dict keys are unchanged). FSDP2 hooks live on `__call__`, so they run around it whether
@@ -75,14 +80,14 @@ from __future__ import annotations
 
 import functools
 import types
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from model.attention import AttentionStore
-from model.host_pool import DEFAULT_MIN_BYTES, HostPool
-from model.tiled_mlp import set_mlp_tiling
+if TYPE_CHECKING:
+    from model.host_pool import HostPool
 
 __all__ = ["apply_offload", "offload_layer", "offload_layers", "remove_offload"]
 
@@ -118,7 +123,8 @@ class _OffloadedForward:
     (out, lse) are kept from the forward (on the host, through the pool, when offloading) and the
     recompute skips attention's forward. last: the last layer keeps everything on the device
     (backward starts with it, so a copy there would stall), and its recompute starts the copy
-    back of the layer before it.
+    back of the layer before it. tiled_mlp: offload_layer tiled the layer's MLP, and
+    remove_offload undoes it.
     """
 
     def __init__(
@@ -128,18 +134,24 @@ class _OffloadedForward:
         preserve_rng_state: bool,
         save_attention: bool = False,
         last: bool = False,
+        tiled_mlp: bool = False,
     ):
         self.own = layer.__dict__.get("forward")  # an instance forward we wrap, to restore later
         self.body = self.own or types.MethodType(type(layer).forward, layer)
         self.pool, self.preserve_rng_state = pool, preserve_rng_state
-        self.save_attention, self.last = save_attention, last
+        self.last, self.tiled_mlp = last, tiled_mlp
+        self.new_store = None
+        if save_attention:  # our attention kernel's store (model/attention.py)
+            from model.attention import AttentionStore
+
+            self.new_store = AttentionStore
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.body(*args, **kwargs)  # nothing is saved without grad
         pool, body = self.pool, self.body
-        if self.save_attention:
-            store = AttentionStore()
+        if self.new_store is not None:
+            store = self.new_store()
             if pool is not None and self.last:  # inputs and attention stay here
                 store.on_replay = pool.prefetcher()  # the layer before's input, when recomputed
                 pool = None
@@ -190,8 +202,12 @@ def offload_layer(
             raise TypeError(
                 f"tile_mlp needs a layer with an `mlp` submodule; {type(layer).__name__} has none"
             )
+        from model.tiled_mlp import set_mlp_tiling
+
         set_mlp_tiling(layer.mlp, tile_mlp)
-    layer.forward = _OffloadedForward(layer, pool, preserve_rng_state, save_attention, last)
+    layer.forward = _OffloadedForward(
+        layer, pool, preserve_rng_state, save_attention, last, tiled_mlp=tile_mlp is not None
+    )
 
 
 def offload_layers(
@@ -256,6 +272,8 @@ def apply_offload(
     Works before or after FSDP2's fully_shard on the same layers; undo with remove_offload.
     """
     if pool is None:
+        from model.host_pool import DEFAULT_MIN_BYTES, HostPool
+
         pool = HostPool(DEFAULT_MIN_BYTES if min_bytes is None else min_bytes)
     elif min_bytes is not None:
         pool.min_bytes = int(min_bytes)
@@ -270,11 +288,13 @@ def apply_offload(
 
 
 def remove_offload(model) -> None:
-    """Undo apply_offload (or offload_layers): the layers' (and MLPs') own forwards again."""
+    """Undo apply_offload (or offload_layers): the layers' (and tiled MLPs') own forwards again."""
     for layer in _find_layers(model):
         wrapper = layer.__dict__.get("forward")
-        if isinstance(wrapper, _OffloadedForward):
-            _restore(layer, wrapper.own)
-        mlp = getattr(layer, "mlp", None)
-        if mlp is not None:
-            set_mlp_tiling(mlp, None)
+        if not isinstance(wrapper, _OffloadedForward):
+            continue
+        _restore(layer, wrapper.own)
+        if wrapper.tiled_mlp:
+            from model.tiled_mlp import set_mlp_tiling
+
+            set_mlp_tiling(layer.mlp, None)

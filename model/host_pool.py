@@ -1,5 +1,8 @@
 """Host pool: reusable pinned host blocks for tensors moved off the GPU, copied on side streams.
 
+To use it elsewhere: copy this file with model/checkpoint_offload.py; they need torch only (tqdm
+for reserve's progress bar). README's "Use a piece in your own code" shows them on Qwen3.
+
     pool = HostPool(min_bytes=1 << 20)
     pool.reserve(36, (1, T, hidden), torch.bfloat16, "cuda")  # every block now, before step 1
     for layer in layers:                                        # forward
@@ -226,17 +229,15 @@ class HostPool:
             return {"blocks": 0, "pinned_bytes": 0, "seconds": 0.0}
         b, pinned = host_block_bytes(n), device.type == "cuda"
         blocks = int(count) * -(-n // b)
-        from tqdm import tqdm
-
         t0 = time.perf_counter()
         free = self._free.setdefault((b, pinned), [])
-        for _ in tqdm(
-            range(blocks),
-            desc=f"offload: pinning {blocks * b / 2**30:.2f} GiB of host blocks",
-            unit="block",
-            disable=not progress,
-            leave=False,
-        ):
+        steps = range(blocks)
+        if progress:
+            from tqdm import tqdm
+
+            desc = f"offload: pinning {blocks * b / 2**30:.2f} GiB of host blocks"
+            steps = tqdm(steps, desc=desc, unit="block", leave=False)
+        for _ in steps:
             free.append((self._alloc(b, pinned), None))
         self._reserved += int(count) * n
         return {"blocks": blocks, "pinned_bytes": blocks * b, "seconds": time.perf_counter() - t0}

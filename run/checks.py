@@ -243,7 +243,7 @@ def download_model(repo_id: str) -> str:
 
 def check_layout(cfg, mc: Qwen3Config, world: int, local_world: int) -> tuple[int, int]:
     """(sp, dp) for this launch, or a ConfigError that says what to change."""
-    from model.ulysses import check_heads
+    from model.ulysses_exchange import check_heads
 
     sp = cfg.sp or local_world
     if world % sp:

@@ -1,5 +1,5 @@
-"""bench/gpu_check.py and bench/bench_attention.py end to end on tiny CPU shapes, so they cannot rot;
-and the exchange-volume arithmetic against the bytes model/ulysses.py really hands to
+"""bench/gpu_check.py end to end and bench/bench_attention.py on tiny CPU shapes, so they cannot
+rot; and the exchange-volume arithmetic against the bytes model/ulysses_exchange.py hands to
 all_to_all_single, counted in two gloo processes running checkpointed (offloaded) decoder layers.
 
     pytest tests/test_gpu_check.py -q
@@ -121,10 +121,12 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     assert "step" in text and "PROJECTED" in text
 
 
-def test_bench_attention_tiny_cli(tmp_path):
-    out = tmp_path / "attn.json"
-    text = _script("bench_attention.py", "--device", "cpu", "--tiny", "--json", str(out))
-    r = json.loads(out.read_text())
+def test_bench_attention_tiny():
+    """run() and the exchange table at the tiny shapes (what gpu_check's attention part runs)."""
+    from bench.bench_attention import exchange_volumes, format_exchange, run
+
+    r = json.loads(json.dumps(run(512, 2, model="tiny", device="cpu", tiny=True)))
+    text = format_exchange(exchange_volumes(load_config("tiny"), 512, 2, bytes_per_elem=4))
     _finite(r, ["fwd_s", "bwd_s", "fwd_bwd_s", "fwd_tflops", "fwd_flops", "bwd_flops"], "attention")
     assert r["backend"] == r["backend_pinned"] == "cpu_flash" and "flash" in r["backend_ran"]
     assert r["q_shape"] == [1, 512, 2, 32] and r["kv_shape"] == [1, 512, 1, 32]
@@ -133,11 +135,12 @@ def test_bench_attention_tiny_cli(tmp_path):
 
 
 def test_compare_backends_skips_a_backend_that_cannot_run():
-    from bench.bench_attention import compare_backends, format_compare
+    from bench.bench_attention import compare_backends
+    from bench.table import figures
 
     c = compare_backends(256, 4, 1, 32, device="cpu", pair=("cudnn", "flash"))
     assert c["skipped"].startswith("cudnn cannot run 4 query / 1 kv heads") and "diffs" not in c
-    assert "skipped" in format_compare(c)
+    assert "skipped=cudnn cannot run" in figures(c)
 
 
 def test_bench_attention_times_the_pinned_backend(monkeypatch):

@@ -6,7 +6,8 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 
 from model.qwen3 import causal_attention
-from model.ulysses import UlyssesAttention, check_heads
+from model.ulysses import UlyssesAttention
+from model.ulysses_exchange import check_heads
 
 # (query heads, kv heads) per world size: GQA split, kv repeat (sp > kv heads), plain MHA
 CASES = {2: [(4, 2), (4, 1)], 4: [(8, 2), (4, 4), (8, 8)]}
