@@ -167,6 +167,11 @@ class TrainConfig:
         "", "CUDA: write a memory-visualiser snapshot of step 1 to PATH.rank<N>.pickle"
     )
     dry_run: bool = arg(False, "print the resolved config and memory plan; load nothing")
+    rehearse: bool = arg(
+        False,
+        "run two steps of this configuration on fake tensors (no GPU, weights or data): "
+        "memory per phase and FLOPs, measured, next to the plan",
+    )
     check_only: bool = arg(
         False, "run every check (flags, model, data, --out) in this process and exit"
     )
@@ -374,15 +379,16 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def global_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """The global gradient norm before clipping (clipped to max_norm if > 0). Gradients are
-    DTensors: the norm's full_tensor() is the global one (its local part is ~sqrt(shards) low)."""
+def global_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The global gradient norm before clipping (clipped to max_norm if > 0), a 0-dim tensor.
+    Gradients are DTensors: the norm's full_tensor() is the global one (its local part is
+    ~sqrt(shards) too low)."""
     params = [p for p in model.parameters() if p.grad is not None]
     clip_to = max_norm if max_norm > 0 else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, clip_to, foreach=True)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,11 +413,19 @@ def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]
 
 
 def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) -> StepResult:
-    """One optimizer step over `micro_batches` (this rank's slices of grad_accum rows)."""
+    """One optimizer step over `micro_batches` (this rank's slices of grad_accum rows).
+
+    With cfg.rehearse the step runs on fake tensors, which have shapes but no values: it reads
+    nothing back to the host (loss and norm come back as NaN, and it always steps), and takes
+    every label to count, so the loss has no ignored rows to look for."""
+    values = not cfg.rehearse
     # The loss is the sum over the step's counted labels divided by their count over all ranks
     # and micro-batches: FSDP2 sums gradients over ranks (model/parallel.py), so each rank's
     # backward must already carry the global denominator.
-    counts = [(b["labels"] != IGNORE).sum() for b in micro_batches]
+    if values:
+        counts = [(b["labels"] != IGNORE).sum() for b in micro_batches]
+    else:
+        counts = [torch.tensor(b["labels"].numel()) for b in micro_batches]
     count = torch.stack(counts).sum().to(torch.float64)
     dist.all_reduce(count)
     count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
@@ -423,6 +437,7 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
             model.lm_head.weight,
             batch["labels"].flatten(),  # [T/sp]
             chunk_size=cfg.loss_chunk,
+            ignore_index=IGNORE if values else None,
             reduction="sum",
         )
         # The loss made its gradient for `hidden` in forward; holding `hidden` through backward
@@ -431,12 +446,16 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
         (micro_loss / count.to(micro_loss.dtype)).backward()
         loss_sum += micro_loss.detach().double()
     dist.all_reduce(loss_sum)
-    tokens = int(count.item())
-    loss = loss_sum.item() / tokens
     with host_threads(cfg.cpu_offload):
-        grad_norm = global_grad_norm(model, cfg.grad_clip)
+        norm = global_grad_norm(model, cfg.grad_clip)
+        if values:  # one host read each
+            tokens = int(count.item())
+            loss, grad_norm = loss_sum.item() / tokens, float(norm)
+        else:
+            tokens = sum(b["labels"].numel() for b in micro_batches)
+            loss = grad_norm = math.nan
         # Loss and norm are the same on every rank, so every rank skips (or steps) together.
-        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        skipped = values and not (math.isfinite(loss) and math.isfinite(grad_norm))
         if not skipped:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -451,6 +470,8 @@ def main(argv=None) -> None:
     cfg = parse_args(argv)
     if cfg.dry_run:  # no process group, no downloads, no weights
         return dry_run(cfg)
+    if cfg.rehearse:  # a fake process group, fake tensors: nothing real but the arithmetic
+        return rehearse(cfg)
     # Every process checks everything before the process group (a bad flag costs a second);
     # rank 0 also takes the lock on --out.
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -494,6 +515,95 @@ def dry_run(cfg: TrainConfig) -> None:
     print(json.dumps(resolved, indent=2, default=str))
     dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # "auto" on a GPU: bf16
     print(format_plan(plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")))
+
+
+def rehearse(cfg: TrainConfig) -> None:
+    """Two steps of this exact run through train_step on fake tensors (memory/rehearsal.py):
+    measured memory per phase and FLOPs next to the plan, then OUT/memory_timeline.png."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memory.rehearsal import (
+        StepRehearsal,
+        fake_process_group,
+        gpu_only_terms,
+        summarize,
+        write_timeline,
+    )
+    from model.attention import backward_workspace_bytes
+
+    world = int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 8
+    check_flags(cfg)
+    mc, _ = resolve_model(cfg, download=False, weights=False)
+    if mc is None:
+        raise ConfigError(
+            f"--model {cfg.model}: its shapes are unknown without a download; to rehearse pass "
+            f"a directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})"
+        )
+    sp, dp = check_layout(cfg, mc, world, min(world, 8))
+    # The CPU path is what runs (fake CUDA tensors cannot run autograd without a GPU): the same
+    # tensors as on a GPU, with CPU kernels; what only a GPU holds is added by name below.
+    device = torch.device("cpu")
+    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # "auto" on a GPU: bf16
+    cfg = dataclasses.replace(cfg, dtype=str(dtype)[6:], attn_backend="auto")
+    log0(
+        f"rehearse: {cfg.model} ({mc.num_hidden_layers} layers) at {cfg.seq_len:,} tokens/row, "
+        f"{world} processes (sp {sp} x dp {dp}), {str(dtype)[6:]}, as rank 0 on fake tensors; "
+        f"every label is taken to count, and nothing is read back to the host"
+    )
+    steps = []
+    with fake_process_group(world):
+        mesh = build_mesh(world, sp, device.type)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        cfg, model, pool, planned = build_model(cfg, mc, None, mesh, dp, device, dtype, mode)
+        optimizer = make_optimizer(cfg, model)
+        tokens = math.ceil(cfg.seq_len / sp)
+        for step in (1, 2):
+            t0 = time.perf_counter()
+            with mode:  # the shapes RowLoader hands each rank: [1, T/sp]
+                batch = dict(
+                    input_ids=torch.zeros(1, tokens, dtype=torch.long),
+                    position_ids=torch.arange(tokens).unsqueeze(0),
+                    labels=torch.zeros(1, tokens, dtype=torch.long),
+                )
+                micro_batches = [dict(batch) for _ in range(cfg.grad_accum)]
+                rehearsal = StepRehearsal(
+                    model,
+                    optimizer,
+                    pool,
+                    batch=batch.values(),
+                    layers=model.model.layers,
+                    count_flops=step == 1,
+                    host_state=cfg.cpu_offload,
+                )
+                with rehearsal:
+                    train_step(model, optimizer, micro_batches, cfg)
+            steps.append(rehearsal)
+            peak = rehearsal.meter.peak_bytes / 1e9
+            log0(f"rehearse: step {step} in {time.perf_counter() - t0:.1f} s, peak {peak:.2f} GB")
+        pool.reset_step()
+    # The plan of this CPU path is what the rehearsal measures; the GPU terms come on top.
+    cpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cpu")
+    padded_row = math.ceil(cfg.seq_len / sp) * sp
+    workspace = backward_workspace_bytes(padded_row, mc.num_attention_heads // sp, mc.head_dim)
+    flops_planned = step_flops(mc, cfg.seq_len)
+    recompute = "no_attn_recompute" if planned.options.save_attention else "full_recompute"
+    lines, record = summarize(
+        steps, cpu_plan, flops_planned[recompute] / world, gpu_only_terms(workspace, world)
+    )
+    for line in lines:
+        log0(line)
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "rehearsal.json"), "w") as fh:
+        json.dump(record, fh, indent=1)
+    path = os.path.join(cfg.out, "memory_timeline.png")
+    title = f"{cfg.model}, {cfg.seq_len:,} tokens, sp {sp} x dp {dp}: step 2 on fake tensors"
+    if write_timeline(path, steps[1].meter.timeline, cpu_plan.total, title):
+        log0(f"rehearse: {cfg.out}/rehearsal.json, {path}")
+    else:
+        log0(
+            f"rehearse: {cfg.out}/rehearsal.json; no picture without matplotlib "
+            f"(python3 -m pip install matplotlib): the table above has its numbers"
+        )
 
 
 def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -615,6 +725,47 @@ def reserve_host_blocks(pool, cfg, mc, sp, dtype, device, save_attention: bool) 
     log0(f"offload: pinned {pinned / 2**30:.2f} GiB in {blocks} host blocks in {seconds:.1f} s")
 
 
+def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
+    """(cfg, model, pool, plan): the sharded model with Ulysses attention and its kernel, the
+    memory plan, and the offload pool with its host blocks. fake_mode: all of it on fake
+    tensors, nothing loaded (train.py --rehearse). cfg comes back with what was decided."""
+    world, sp = mesh.size(), mesh.size(1)
+    t0 = time.perf_counter()
+    model, load_stats = build_sharded_model(
+        mc,
+        mesh,
+        device=device,
+        model_dir=model_dir,
+        param_dtype=dtype,
+        cpu_offload=cfg.cpu_offload,
+        seed=cfg.seed,
+        fake_mode=fake_mode,
+    )
+    if fake_mode is not None:
+        loaded = "fake tensors, nothing loaded"
+    elif load_stats:
+        loaded = f"read {load_stats.bytes_read / 2**30:.2f} GiB on rank 0"
+    else:
+        loaded = "random init"
+    log0(f"model ready in {time.perf_counter() - t0:.1f} s, {loaded}")
+    model.set_attention(UlyssesAttention(ulysses_group(mesh)))
+    cfg, backend = choose_attention(cfg, mc, sp, device, dtype)
+    # Attention once when asked, or (unset) when the planner finds host memory for it.
+    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    log_attention(cfg, mc, sp, dtype, backend, planned)
+    pool = apply_offload(
+        model,
+        offload=cfg.offload,
+        min_bytes=cfg.offload_min_bytes,
+        tile_mlp=cfg.tile_mlp or None,
+        save_attention=planned.options.save_attention,
+    )
+    if cfg.offload:
+        with fake_mode or contextlib.nullcontext():
+            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
+    return cfg, model, pool, planned
+
+
 def resume_from(cfg, model, optimizer, loader, rank) -> int:
     """The step to start at: 0, or the step of the checkpoint --resume names, or (auto) of the
     newest one that verifies and loads, saying which it passed over and why."""
@@ -665,28 +816,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
 
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
     mesh = build_mesh(world, sp, device.type)
-    t0 = time.perf_counter()
-    model, load_stats = build_sharded_model(
-        mc, mesh, device=device, model_dir=model_dir, param_dtype=dtype, cpu_offload=cfg.cpu_offload
-    )
-    loaded = (
-        f"read {load_stats.bytes_read / 2**30:.2f} GiB on rank 0" if load_stats else "random init"
-    )
-    log0(f"model ready in {time.perf_counter() - t0:.1f} s, {loaded}")
-    model.set_attention(UlyssesAttention(ulysses_group(mesh)))
-    cfg, backend = choose_attention(cfg, mc, sp, device, dtype)
-    # Attention once when asked, or (unset) when the planner finds host memory for it.
-    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
-    log_attention(cfg, mc, sp, dtype, backend, planned)
-    pool = apply_offload(
-        model,
-        offload=cfg.offload,
-        min_bytes=cfg.offload_min_bytes,
-        tile_mlp=cfg.tile_mlp or None,
-        save_attention=planned.options.save_attention,
-    )
-    if cfg.offload:
-        reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
+    cfg, model, pool, planned = build_model(cfg, mc, model_dir, mesh, dp, device, dtype)
 
     loader = RowLoader(
         rows, mesh["dp"].get_local_rank(), dp, mesh["sp"].get_local_rank(), sp, device=device

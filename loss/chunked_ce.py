@@ -99,8 +99,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
         # Ignored rows cost nothing: only the rows that count enter the products.
         labels = labels.long()
-        rows = (labels != ignore_index).nonzero().squeeze(1)  # [n]
-        n = rows.numel()
+        if ignore_index is None:  # the caller says every label counts: no scan, no host sync
+            rows, n = None, n_rows
+        else:
+            rows = (labels != ignore_index).nonzero().squeeze(1)  # [n]
+            n = rows.numel()
         dense = n == n_rows  # every row counts: chunks are plain slices, no gathers
 
         grad_h = grad_w = None
@@ -182,6 +185,8 @@ def chunked_cross_entropy(
 ):
     """cross_entropy(hidden @ weight.T, labels) for hidden [N, H], weight [V, H], labels [N].
 
+    ignore_index=None: every label counts, and the scan for ignored ones (a data-dependent
+    nonzero, which syncs with the host on CUDA and cannot run on fake tensors) is skipped.
     "sum" returns the sum over non-ignored rows (divide by a global label count yourself);
     "mean" divides by the local count. With no valid label the loss is 0 and gradients are
     zero. The loss is float32 (float64 for float64 inputs). weight may be a plain tensor or

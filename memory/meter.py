@@ -74,7 +74,6 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.events: list[tuple[int, int]] = []  # (delta bytes, id)
         self.size: dict[int, int] = {}  # id -> bytes now, for storages still alive
-        self.ptr: dict[int, int] = {}  # id -> data_ptr, for storages still alive
         self._ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # storage -> id
         self._next = 0
         self.what: dict[int, str] = {}  # id -> the op that made it (when recording)
@@ -92,7 +91,7 @@ class _Counter(TorchDispatchMode):
         if i is None:  # a new storage: count it until its weak reference dies
             i = self._ids[s] = self._next
             self._next += 1
-            self.size[i], self.ptr[i] = 0, s.data_ptr()
+            self.size[i] = 0
             if self.record:
                 self.what[i] = (
                     f"{self.op} {getattr(self, 'shape', '')} @ {getattr(self, 'stack', '')}"
@@ -101,11 +100,14 @@ class _Counter(TorchDispatchMode):
         n = s.nbytes()
         if n != self.size[i]:  # new, or resized in place (resize_, out= ops)
             self.events.append((n - self.size[i], i))
-            self.size[i], self.ptr[i] = n, s.data_ptr()
+            self.size[i] = n
+
+    def storage_id(self, s) -> int | None:
+        """The id this counter gave storage `s`, or None if it never saw it."""
+        return self._ids.get(s)
 
     def _dead(self, i: int) -> None:
         n = self.size.pop(i, 0)
-        self.ptr.pop(i, None)
         if n:
             self.events.append((-n, i))
 
@@ -146,6 +148,9 @@ class StepMeter:
         self.cuda = self.device.type == "cuda" and not force_cpu_meter
         self.peak_bytes = self.start_bytes = self.end_bytes = 0
         self.at_peak: list[tuple[int, str]] = []  # record=True: (bytes, op) live at the peak
+        self.phase_peaks: dict[str, int] = {}  # after mark(): the peak within each phase
+        self.timeline: list[tuple[int, str | None]] = []  # record=True: (live bytes, phase)
+        self._marks: list[tuple[int, str]] = []
         self._counter, self.record = None, record
 
     def _live_at_start(self) -> list[torch.Tensor]:
@@ -174,9 +179,10 @@ class StepMeter:
         self._resize = torch.UntypedStorage.resize_
 
         def resize_(storage, size):
+            # Every storage, meta ones included: a FakeTensor's storage is a meta storage, and
+            # leaving those out would miss FSDP2's frees under train.py --rehearse.
             out = self._resize(storage, size)
-            if storage.device.type != "meta":
-                c.track_storage(storage)
+            c.track_storage(storage)
             return out
 
         torch.UntypedStorage.resize_ = resize_
@@ -224,26 +230,52 @@ class StepMeter:
             if self._hook is not None:
                 self._hook.remove()
         # Host buffers (alive now) are left out of the whole timeline: drop their storage ids.
-        host_ptrs = {t.untyped_storage().data_ptr() for t in host_tensors(self.host)}
-        skip = {i for i, p in c.ptr.items() if p in host_ptrs and c.size.get(i)} | self._state_ids
-        live = peak = 0
-        now: dict[int, int] = {}
-        for k, (d, i) in enumerate(list(c.events)):
+        # Known by identity, not by data_ptr(): every FakeTensor's data_ptr() is 0.
+        skip = self._host_ids() | self._state_ids
+        events = [(d, i) for d, i in c.events if i not in skip]
+        n0 = sum(1 for _, i in c.events[: self._n0] if i not in skip)
+        marks = iter(self._marks + [(len(c.events) + 1, None)])
+        next_at, next_phase = next(marks)
+        phase, kept = None, 0  # kept: events counted so far (host ones are not)
+        live = peak = peak_at = 0
+        for k, (d, i) in enumerate(c.events):
+            while k >= next_at:  # a phase starts at this event
+                phase = next_phase
+                next_at, next_phase = next(marks)
             if i in skip:
                 continue
+            kept += 1
             live += d
-            if self.record:
-                now[i] = now.get(i, 0) + d
-            if k + 1 >= self._n0 and live > peak:
-                peak = live
-                if self.record:
-                    self.at_peak = sorted(
-                        ((n, c.what.get(j, "?")) for j, n in now.items() if n), reverse=True
-                    )
-            if k + 1 == self._n0:
+            if kept == n0:
                 self.start_bytes = live
+            if kept >= n0 and live > peak:
+                peak, peak_at = live, kept
+            if phase is not None and live > self.phase_peaks.get(phase, 0):
+                self.phase_peaks[phase] = live
+            if self.record:
+                self.timeline.append((live, phase))
+        if self.record:  # what was live at the peak, and which op (file:line) made it
+            now: dict[int, int] = {}
+            for d, i in events[:peak_at]:
+                now[i] = now.get(i, 0) + d
+            made = ((n, c.what.get(j, "?")) for j, n in now.items() if n)
+            self.at_peak = sorted(made, reverse=True)
         self.peak_bytes, self.end_bytes = peak, live
         self._counter = None  # its finalizers still fire later, into a list nobody reads
+
+    def mark(self, phase: str) -> None:
+        """What follows counts towards `phase` in phase_peaks (CPU meter only; e.g. "forward",
+        "loss", "backward", "optimizer", set by hooks as the step runs)."""
+        if self._counter is not None:
+            self._marks.append((len(self._counter.events), phase))
+
+    def _host_ids(self) -> set[int]:
+        c, ids = self._counter, set()
+        for t in host_tensors(self.host):
+            i = c.storage_id(t.untyped_storage())
+            if i is not None:
+                ids.add(i)
+        return ids
 
     def start(self) -> StepMeter:
         return self.__enter__()

@@ -35,6 +35,7 @@ torch.distributed.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -198,6 +199,16 @@ def saved_attention_bytes(
     1,048,576 tokens, sp=8, bf16: 1,048,576 x 4 x (128 x 2 + 4) = 1.02 GiB.
     """
     return batch * tokens * (num_heads // sp) * (head_dim * dtype_bytes + 4)
+
+
+def backward_workspace_bytes(tokens: int, heads: int, head_dim: int, batch: int = 1) -> int:
+    """GPU memory the fused attention backward allocates inside itself, per GPU: FlashAttention-2
+    keeps dq as an fp32 accumulator [B, T rounded up to 128, heads, head_dim rounded up to 32]
+    and the softmax delta in fp32 [B, heads, T]. A CPU kernel has none of it.
+    Qwen3-8B, 1,048,576 tokens, 4 heads per GPU: 2.15 GB."""
+    rounded_t = math.ceil(tokens / 128) * 128
+    rounded_d = math.ceil(head_dim / 32) * 32
+    return batch * rounded_t * heads * (rounded_d + 1) * 4
 
 
 # ---------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["HostPool", "PoolStats", "host_block_bytes", "host_bytes_for", "DEFAULT_MIN_BYTES"]
 
@@ -288,9 +289,15 @@ class HostPool:
 
     # ---- saved-tensor hooks ------------------------------------------------------------------
     def should_move(self, t) -> bool:
-        """Moved: plain tensors on cpu/cuda that need grad, are not empty and have >= min_bytes."""
+        """Moved: activations on cpu/cuda that need grad, are not empty and have >= min_bytes.
+        Not moved: parameters (the model holds them anyway) and wrapper subclasses such as
+        DTensor (their data is an inner tensor, saved on its own). A FakeTensor (torch's
+        FakeTensorMode, which train.py --rehearse runs the real step under) is an activation like
+        any other: leaving it out would silently keep every layer input on the "device"."""
         return (
-            type(t) is torch.Tensor
+            isinstance(t, torch.Tensor)
+            and not isinstance(t, torch.nn.Parameter)
+            and not is_traceable_wrapper_subclass(t)
             and t.requires_grad
             and t.numel() > 0
             and t.device.type in ("cuda", "cpu")

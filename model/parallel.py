@@ -216,6 +216,7 @@ def build_sharded_model(
     progress: bool = True,
     cpu_offload: bool = False,
     seed: int | None = None,
+    fake_mode=None,
 ) -> tuple[Qwen3, LoadStats | None]:
     """Meta build -> shard -> materialise on `device` -> load `model_dir` (or init_weights()).
 
@@ -227,6 +228,9 @@ def build_sharded_model(
     torch.manual_seed, which must then be the same on every rank.
     cpu_offload: the shards are materialised in host memory (see apply_fsdp); computation still
     runs on `device`, where FSDP2 copies each unit's shards to gather them.
+    fake_mode: a torch FakeTensorMode to materialise the shards in (shapes, no memory): nothing
+    is loaded or initialised (a rehearsal of the step at its real shapes). The meta build and
+    the sharding run outside it, as FSDP2 needs real meta parameters to shard.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -247,7 +251,12 @@ def build_sharded_model(
     )
     # Allocates this rank's shards only, uninitialised; with cpu_offload in host memory (FSDP2
     # pins them and checks they are on the CPU when the first forward starts).
-    model.to_empty(device="cpu" if cpu_offload else device)
+    where = "cpu" if cpu_offload else device
+    if fake_mode is not None:
+        with fake_mode:
+            model.to_empty(device=where)
+        return model, None
+    model.to_empty(device=where)
     if model_dir is None:
         model.init_weights(seed)
         return model, None

@@ -98,13 +98,13 @@ def flag(name: str) -> str:
 
 def settle_host_memory(cfg) -> str:
     """Turn --host-mem-gb 0 (the default) into GB in `cfg` and say where the number comes from:
-    this machine's usable memory, or in a dry run (which plans for the target node, not the
-    machine it runs on) DRY_RUN_HOST_MEM_GB. Any other value stays as given."""
+    this machine's usable memory, or in a dry run or rehearsal (which plan for the target node,
+    not the machine they run on) DRY_RUN_HOST_MEM_GB. Any other value stays as given."""
     from memory.plan import GB
 
     if cfg.host_mem_gb != 0:
         return f"--host-mem-gb {cfg.host_mem_gb:g}"
-    if cfg.dry_run:
+    if cfg.dry_run or cfg.rehearse:
         cfg.host_mem_gb = DRY_RUN_HOST_MEM_GB
         return f"a dry run's assumed node of {DRY_RUN_HOST_MEM_GB:g} GB"
     size, source = host_memory_bytes()
