@@ -302,15 +302,12 @@ def _format_step_time(p: Plan, rates: Rates | None) -> list[str]:
     t = project(p, rates)
     out = [
         f"step time per GPU, projected (not a measurement): {t.rates.source}",
-        f"  {'phase':36}{'time':>10}   bound by (its share), then the rest",
+        f"  {'phase':36}{'time':>10}   bound by (the terms that add up to the time)",
     ]
     for ph in t.phases:
-        rest = sorted(ph.terms.items(), key=lambda kv: -kv[1])[1:]
-        share = ph.terms[ph.bound] / ph.time_s if ph.time_s else 1.0
-        out.append(
-            f"  {ph.name:36}{_secs(ph.time_s):>10}   {ph.bound} ({share:.0%})"
-            + "".join(f"; {k} {_secs(v)}" for k, v in rest)
-        )
+        terms = " + ".join(f"{k} {_secs(v)}" for k, v in ph.terms.items())
+        more = f" ({terms})" if len(ph.terms) > 1 else ""
+        out.append(f"  {ph.name:36}{_secs(ph.time_s):>10}   {ph.bound}{more}")
     out += [
         f"  {'step, projected':36}{_secs(t.step_s):>10}   {t.tflops_per_gpu:.3g} TFLOP/s per GPU "
         f"over the step by step_flops' count",

@@ -163,10 +163,6 @@ class KernelFlops:
     dense_bwd: float
     attention_bwd: float
 
-    @property
-    def total(self) -> float:
-        return sum(asdict(self).values())
-
 
 def kernel_flops(config: Qwen3Config, seq_len: int, *, save_attention: bool, **kw) -> KernelFlops:
     """step_flops(config, seq_len, **kw) split into phases and kernels."""
@@ -235,11 +231,8 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
         take("adamw_params_per_s", params_per_gpu(config, sp), part["optimizer"].get("time_s"))
         if "adamw_params_per_s" in rates:
             rates["adamw_s_per_param"] = 1 / rates.pop("adamw_params_per_s")
-    pins = [
-        r
-        for r in (part["layers"].get("runs") or {}).values()
-        if ok["layers"] and (r.get("reserve_s") or 0) > 0 and (r.get("pinned_mib") or 0) > 0
-    ]
+    stacks = (part["layers"].get("runs") or {}).values() if ok["layers"] else ()
+    pins = [r for r in stacks if (r.get("reserve_s") or 0) > 0 and (r.get("pinned_mib") or 0) > 0]
     if pins:
         r = max(pins, key=lambda r: r["pinned_mib"])
         rates["pin_gbps"] = r["pinned_mib"] * 2**20 / r["reserve_s"] / GB
@@ -259,17 +252,13 @@ class Phase:
     """One phase of the step: seconds by what takes them (kernels, then what transfers add)."""
 
     name: str
-    terms: dict[str, float]
+    terms: dict[str, float]  # they add up to the phase's time
     flops: float  # per GPU
+    bound: str  # a transfer longer than the compute beside it, else the longest kernels
 
     @property
     def time_s(self) -> float:
         return sum(self.terms.values())
-
-    @property
-    def bound(self) -> str:
-        """What takes the phase's largest share of time."""
-        return max(self.terms, key=self.terms.get)
 
 
 @dataclass(frozen=True)
@@ -317,21 +306,27 @@ def exchange_bytes(config: Qwen3Config, seq_len: int, sp: int, compute_bytes: in
 
 
 def _phase(
-    name: str, flops: float, kernels: dict, exchange_s: float = 0.0, beside: dict | None = None
+    name: str,
+    flops: float,
+    kernels: dict,
+    exchange_s: float = 0.0,
+    beside: dict | None = None,
+    layers: int = 1,
 ) -> Phase:
-    """A phase over the layers: its kernels' seconds, the all-to-alls added, and of the transfers
-    beside each layer's compute (`beside`: seconds per layer, each on its own engine) the longest
-    one's excess over that compute, once per layer."""
+    """A phase over `layers` layers: its kernels' seconds, the all-to-alls added, and of the
+    transfers beside each layer's compute (`beside`: seconds per layer, each on its own engine)
+    the longest one's excess over that compute, once per layer."""
     terms = dict(kernels)
+    bound = max(kernels, key=kernels.get)
     if exchange_s:
         terms["all-to-all"] = exchange_s
     if beside:
-        layers = beside.pop("layers")
         what, per_layer = max(beside.items(), key=lambda kv: kv[1])
         excess = layers * max(per_layer - sum(kernels.values()) / layers, 0.0)
         if excess:
-            terms[f"{what} beyond the compute beside them"] = excess
-    return Phase(name, terms, flops)
+            bound = f"{what} beyond the compute beside them"
+            terms[bound] = excess
+    return Phase(name, terms, flops, bound)
 
 
 def project(p: Plan, rates: Rates | None = None) -> StepTime:
@@ -362,12 +357,8 @@ def project(p: Plan, rates: Rates | None = None) -> StepTime:
         (k.dense_fwd + k.attention_fwd) / sp,
         {"matmul kernels": k.dense_fwd / mm, "attention kernels": k.attention_fwd / af},
         a2a,
-        {
-            "layers": L,
-            "FSDP2 all-gathers": gather,
-            "host copies in": shard,
-            "host copies out": pool,
-        },
+        {"FSDP2 all-gathers": gather, "host copies in": shard, "host copies out": pool},
+        L,
     )
     loss = _phase("loss", k.loss / sp, {"loss kernels": k.loss / lo})
     backward = _phase(
@@ -379,11 +370,11 @@ def project(p: Plan, rates: Rates | None = None) -> StepTime:
         },
         2 * a2a,  # the recompute's exchanges and the gradients'
         {
-            "layers": L,
             "FSDP2 all-gathers + reduce-scatters": gather + reduce,
             "host copies in": pool + shard,
             "host copies out": shard,
         },
+        L,
     )
     if o.cpu_offload:
         adamw = {"CPU AdamW": p.cpu_offload_cost.adamw_time_s}

@@ -10,6 +10,7 @@ the test's own numbers rather than read from the module under test.
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 from dist_utils import run_train
@@ -19,6 +20,7 @@ from bench.bench_attention import exchange_volumes
 from memory.plan import GB, plan
 from memory.report import format_plan
 from memory.steptime import (
+    assumed_rates,
     exchange_bytes,
     format_public_runs,
     project,
@@ -112,6 +114,19 @@ def test_exchange_bytes_match_bench_attentions_exchange_volumes(config, sp):
     all_to_all_single (tests/test_gpu_check.py); kv heads repeat when sp exceeds them."""
     ex = exchange_volumes(config, T_1M, sp)
     assert exchange_bytes(config, T_1M, sp) == pytest.approx(ex["sent_per_layer"]["forward"], 1e-9)
+
+
+def test_a_host_copy_slower_than_the_layers_compute_bounds_the_phase():
+    """At 0.5 GB/s a layer's offloaded input and attention (2.2 GB) outlast its forward (2.2 s
+    of kernels): the forward takes layers x the copy, plus the all-to-alls."""
+    p = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
+    slow = replace(assumed_rates(), pcie_gbps=0.5)
+    forward = project(p, slow).phases[0]
+    L = QWEN3_8B.num_hidden_layers
+    copy = p.host.offload_bytes_per_step / 2 / L / 0.5e9
+    assert forward.bound == "host copies out beyond the compute beside them"
+    assert forward.time_s == pytest.approx(L * copy + forward.terms["all-to-all"], rel=1e-12)
+    assert project(p).phases[0].bound == "attention kernels"  # at 25 GB/s the copy hides
 
 
 def test_cpu_offload_puts_adamw_on_the_host_and_its_time_in_the_step():
