@@ -50,6 +50,8 @@ from memory.meter import StepMeter
 from memory.plan import plan_for_run, step_flops
 from memory.report import format_plan
 from memory.snapshot import cuda_memory_history
+from memory.steptime import read_calibration
+from memory.sweep import format_sweep, sweep
 from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_backend
 from model.checkpoint_offload import apply_offload
 from model.config import PRESETS as MODEL_PRESETS
@@ -167,6 +169,12 @@ class TrainConfig:
         "", "CUDA: write a memory-visualiser snapshot of step 1 to PATH.rank<N>.pickle"
     )
     dry_run: bool = arg(False, "print the resolved config and memory plan; load nothing")
+    calibration: str = arg(
+        "", "with --dry-run: a bench/gpu_check.py JSON; project the step from its measured rates"
+    )
+    sweep: bool = arg(
+        False, "with --dry-run: projected step, memory, fit for 131,072-8,388,608 tokens, 8-32 GPUs"
+    )
     rehearse: bool = arg(
         False,
         "run two steps of this configuration on fake tensors (no GPU, weights or data): "
@@ -514,7 +522,14 @@ def dry_run(cfg: TrainConfig) -> None:
     }
     print(json.dumps(resolved, indent=2, default=str))
     dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # "auto" on a GPU: bf16
-    print(format_plan(plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")))
+    try:
+        rates = read_calibration(cfg.calibration) if cfg.calibration else None
+    except ValueError as e:
+        raise ConfigError(f"--calibration {e}") from None
+    p = plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
+    print(format_plan(p, rates=rates))
+    if cfg.sweep:
+        print("\n" + format_sweep(p, sweep(p, rates)))
 
 
 def rehearse(cfg: TrainConfig) -> None:

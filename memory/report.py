@@ -3,12 +3,14 @@
     python -m memory.report --model qwen3-8b --seq-len 1048576 --gpus 8 --sp 8
     python -m memory.report --model /models/Qwen3-8B --seq-len 4194304 --host-mem-gb 2000 --json
     python -m memory.report --cpu-offload --seq-len 5242880 --no-save-attention
+    python -m memory.report --calibration gpu_check.json --sweep   # measured rates; the sweep
 
     from memory.report import format_plan
     print(format_plan(plan(Qwen3Config.preset("qwen3-8b"), 1_048_576, gpus=8, sp=8)))
 
 The table is what `train.py --dry-run` prints: memory per GPU by category, host memory per node,
-FLOPs and projected times; attention once (--save-attention / --no-save-attention; default: on
+FLOPs and their floor, the projected step time by phase and the time to the first step
+(memory/steptime.py); attention once (--save-attention / --no-save-attention; default: on
 when its host memory fits --host-mem-gb) side by side with attention recomputed; what the other
 --cpu-offload setting would give; the longest row that fits; the public recipe's figures.
 """
@@ -34,6 +36,8 @@ from memory.plan import (
     save_attention_choice,
     step_flops,
 )
+from memory.steptime import Rates, project, read_calibration, startup
+from memory.sweep import format_sweep, sweep
 from model.config import PRESETS
 
 # The public recipe this project measures itself against: Qwen3-8B, 8 x H100.
@@ -66,8 +70,9 @@ def _moment_dict(m: Moment, buffers: bool = True) -> dict:
     return d
 
 
-def plan_to_dict(p: Plan, *, longest: bool = False) -> dict:
-    """A JSON-ready dict: the plan's parts, GB per category, what fits, and the longest rows."""
+def plan_to_dict(p: Plan, *, longest: bool = False, rates: Rates | None = None) -> dict:
+    """A JSON-ready dict: the plan's parts, GB per category, what fits, the projected step time
+    and time to the first step (at `rates`, default memory.steptime's assumed), the longest rows."""
     parts = ("layout", "options", "state", "held", "host", "cpu_offload_cost", "flops")
     d = {
         "config": p.config.to_dict(),
@@ -100,6 +105,9 @@ def plan_to_dict(p: Plan, *, longest: bool = False) -> dict:
     }
     d["gb_per_gpu"] = {k: v / GB for k, v in gb.items()}
     d["host_gb_per_node"] = p.host.per_node / GB
+    d["step_time"] = project(p, rates).to_dict()
+    first = startup(p, rates)
+    d["time_to_first_step"] = {**asdict(first), "rates": None, "time_s": first.time_s}
     if longest:
         d["max_seq_len"] = _longest(p)
         d["max_seq_len_by_save_attention"] = {
@@ -242,14 +250,16 @@ def _format_flops(p: Plan) -> list[str]:
     c, o, f = p.config, p.options, p.flops
     full = "full recomputation" + ("" if o.save_attention else " (what runs)")
     once = "attention once" + (" (what runs)" if o.save_attention else "")
-    what = "a floor" if o.mfu == 1 else "a projection"
+    if o.mfu == 1:
+        what = "the floor: the limit no kernel reaches, not a projection"
+    else:
+        what = f"at an assumed MFU of {o.mfu:g}, not a measurement"
     out = [
         f"FLOPs per step ({p.layout.dp * p.seq_len:,} tokens)",
         f"  {full:38}{f.full_recompute:12.3e}   {f.full_recompute_time_s:8.1f} s",
         f"  {once:38}{f.no_attn_recompute:12.3e}   {f.no_attn_recompute_time_s:8.1f} s",
         f"  {'model FLOPs (no recomputation)':38}{f.model:12.3e}",
-        f"  times: FLOPs / ({p.layout.gpus} GPUs x {o.tflops:g} TFLOP/s x MFU {o.mfu:g}), "
-        f"{what}, not a measurement",
+        f"  times: FLOPs / ({p.layout.gpus} GPUs x {o.tflops:g} TFLOP/s x MFU {o.mfu:g}), {what}",
     ]
     if p.seq_len > c.max_position_embeddings:
         out.append(
@@ -259,11 +269,74 @@ def _format_flops(p: Plan) -> list[str]:
     return out
 
 
+def _secs(x: float) -> str:
+    return f"{x:.1f} s" if x >= 1 else f"{x:.2g} s"
+
+
+def _format_rates(r: Rates) -> str:
+    """The rates a projection used, each marked measured or assumed."""
+    kernels = (
+        ("matmuls", "matmul_tflops"),
+        ("attention forward", "attention_fwd_tflops"),
+        ("attention backward", "attention_bwd_tflops"),
+        ("loss", "loss_tflops"),
+    )
+    values = {(getattr(r, name), r.says(name)) for _, name in kernels}
+    if len(values) == 1:
+        (rate, says), labels = values.pop(), ", ".join(label for label, _ in kernels)
+        kernel_text = f"{rate:.3g} TFLOP/s ({labels}: {says})"
+    else:
+        kernel_text = "TFLOP/s " + ", ".join(
+            f"{label} {getattr(r, name):.3g} ({r.says(name)})" for label, name in kernels
+        )
+    adamw = f"{1e12 * r.adamw_s_per_param:.1f} ms per 1e9 elements"
+    return (
+        f"  rates: kernels {kernel_text}; AdamW {adamw} ({r.says('adamw_s_per_param')}); "
+        f"NVLink {r.nvlink_gbps:g}, InfiniBand {r.internode_gbps:g}, host copies "
+        f"{r.pcie_gbps:g} GB/s per GPU per direction ({r.says('nvlink_gbps')})"
+    )
+
+
+def _format_step_time(p: Plan, rates: Rates | None) -> list[str]:
+    """The projected step by phase, what bounds each, the floor beside it, and the rates used."""
+    t = project(p, rates)
+    out = [
+        f"step time per GPU, projected (not a measurement): {t.rates.source}",
+        f"  {'phase':36}{'time':>10}   bound by (the terms that add up to the time)",
+    ]
+    for ph in t.phases:
+        terms = " + ".join(f"{k} {_secs(v)}" for k, v in ph.terms.items())
+        more = f" ({terms})" if len(ph.terms) > 1 else ""
+        out.append(f"  {ph.name:36}{_secs(ph.time_s):>10}   {ph.bound}{more}")
+    out += [
+        f"  {'step, projected':36}{_secs(t.step_s):>10}   {t.tflops_per_gpu:.3g} TFLOP/s per GPU "
+        f"over the step by step_flops' count",
+        f"  {'floor: 100% of ' + f'{p.options.tflops:g} TFLOP/s':36}{_secs(t.floor_s):>10}   "
+        f"the limit, not a projection",
+        _format_rates(t.rates),
+    ]
+    return out
+
+
+def _format_startup(p: Plan, rates: Rates | None) -> str:
+    """Time to the first step, one line, each rate named as measured or assumed."""
+    s = startup(p, rates)
+    r = s.rates
+    return (
+        f"time to first step, projected: start and backend probe {s.start_s:.0f} s "
+        f"({r.says('start_s')}) + weights {s.weights_bytes_per_rank / GB:.1f} GB per rank, "
+        f"{s.weights_bytes_per_node / GB:.1f} GB per node at {r.disk_gbps:g} GB/s disk "
+        f"({r.says('disk_gbps')}) {s.weights_s:.0f} s + "
+        f"{s.pinned_bytes_per_process / GB:.1f} GB host blocks pinned per process at "
+        f"{r.pin_gbps:.3g} GB/s ({r.says('pin_gbps')}) {s.pin_s:.0f} s = {s.time_s:.0f} s"
+    )
+
+
 def _fit(q: Plan) -> str:
     return "fits" if q.fits else ("no: GPU" if not q.fits_gpu else "no: host")
 
 
-def _format_attention_choice(p: Plan, longest: bool) -> list[str]:
+def _format_attention_choice(p: Plan, longest: bool, rates: Rates | None) -> list[str]:
     """Attention once and attention recomputed side by side, and which one this run uses."""
     o = p.options
     other = _replan(p, p.seq_len, save_attention=not o.save_attention)
@@ -272,13 +345,14 @@ def _format_attention_choice(p: Plan, longest: bool) -> list[str]:
     def mark(q: Plan) -> str:
         return " <- this run" if q is p else ""
 
-    speed = "floor" if o.mfu == 1 else f"MFU {o.mfu:g}"
+    t_on, t_off = project(on, rates), project(off, rates)
     rows = [
         ("FLOPs per step", f"{on.flops.step:.3e}", f"{off.flops.step:.3e}"),
+        ("step time, projected", f"{t_on.step_s:.1f} s", f"{t_off.step_s:.1f} s"),
         (
-            f"step time ({speed}, projected)",
-            f"{on.flops.step_time_s:.1f} s",
-            f"{off.flops.step_time_s:.1f} s",
+            f"floor (100% of {o.tflops:g} TFLOP/s)",
+            f"{t_on.floor_s:.1f} s",
+            f"{t_off.floor_s:.1f} s",
         ),
         ("peak per GPU", f"{on.total / GB:.2f} GB", f"{off.total / GB:.2f} GB"),
         (
@@ -339,7 +413,7 @@ def _format_cpu_offload_choice(p: Plan, longest: bool) -> list[str]:
     return out
 
 
-def _format_longest(p: Plan) -> list[str]:
+def _format_longest(p: Plan, rates: Rates | None) -> list[str]:
     """The longest row with this run's options, and with the other kind of RMSNorm."""
     o = p.options
     n = _longest(p)
@@ -351,7 +425,7 @@ def _format_longest(p: Plan) -> list[str]:
             f"longest sequence that fits {o.gpu_mem_gb:g} GB per GPU{host}, attention {kept}: "
             f"{n:,} tokens ({n / 2**20:.2f} Mi)",
             f"  there: peak {q.total / GB:.1f} GB per GPU, host {q.host.per_node / GB:.0f} GB "
-            f"per node, {q.flops.step_time_s:.0f} s per step at MFU {o.mfu:g}",
+            f"per node, {project(q, rates).step_s:.0f} s per step (projected)",
         ]
     else:
         out = [
@@ -366,7 +440,7 @@ def _format_longest(p: Plan) -> list[str]:
     return out
 
 
-def _format_recipe(p: Plan) -> list[str]:
+def _format_recipe(p: Plan, rates: Rates | None) -> list[str]:
     """This plan next to the public recipe, whose MFU is taken against H100's 989 TFLOP/s."""
     c, r = p.config, PUBLIC_RECIPE
     recipe_flops = step_flops(PRESETS["qwen3-8b"], r["seq_len"])["full_recompute"]
@@ -376,21 +450,26 @@ def _format_recipe(p: Plan) -> list[str]:
         f"{'':28}{'this plan':>18}   public recipe ({r['model']}, {r['gpus']})",
         f"  {'tokens per step':26}{p.layout.dp * p.seq_len:>18,}   {r['seq_len']:,}",
         f"  {'peak memory per GPU':26}{p.total / GB:>15.1f} GB   {r['peak_gb_per_gpu']} GB",
-        f"  {'step time':26}{p.flops.step_time_s:>16.0f} s   {r['step_time_s']:.0f} s "
-        f"(measured; {100 * mfu:.0f}% of 989 TFLOP/s by these FLOPs)",
+        f"  {'step time, projected':26}{project(p, rates).step_s:>16.0f} s   "
+        f"{r['step_time_s']:.0f} s (measured; {100 * mfu:.0f}% of 989 TFLOP/s by its FLOPs)",
+        f"  {'floor (100% of the peak)':26}{p.flops.step / p.layout.gpus / 989e12:>16.0f} s   "
+        f"the limit at 989 TFLOP/s, not a projection",
         f"  {'naive saved layer inputs':26}{p.naive_saved_inputs / GiB:>14.1f} GiB   "
         f"{r['naive_saved_inputs_gib']:.0f} GiB",
         f"  (naive: every layer's input on one GPU, {L} x {p.seq_len:,} x {H} x {b} B)",
     ]
 
 
-def format_plan(p: Plan, *, longest: bool = True) -> str:
-    """A readable table of the plan, next to the public recipe's figures."""
+def format_plan(p: Plan, *, longest: bool = True, rates: Rates | None = None) -> str:
+    """A readable table of the plan, its projected step time at `rates` (default: memory.steptime's
+    assumed rates; read_calibration's for a GPU's measured ones), next to the public recipe."""
     out = [*_format_header(p), "", *_format_gpu(p), "", *_format_host(p), "", *_format_flops(p)]
-    out += ["", *_format_attention_choice(p, longest), "", *_format_cpu_offload_choice(p, longest)]
+    out += ["", *_format_step_time(p, rates), _format_startup(p, rates)]
+    out += ["", *_format_attention_choice(p, longest, rates)]
+    out += ["", *_format_cpu_offload_choice(p, longest)]
     if longest:
-        out += ["", *_format_longest(p)]
-    out += ["", *_format_recipe(p)]
+        out += ["", *_format_longest(p, rates)]
+    out += ["", *_format_recipe(p, rates)]
     return "\n".join(out)
 
 
@@ -476,6 +555,16 @@ def _parser() -> argparse.ArgumentParser:
         default=200.0,
         help="assumed host memory bandwidth per node, for the CPU AdamW step's time",
     )
+    ap.add_argument(
+        "--calibration",
+        default=None,
+        help="a bench/gpu_check.py JSON: project the step from that GPU's measured rates",
+    )
+    ap.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also print memory/sweep.py's table: 131,072 to 8,388,608 tokens on 8, 16, 32 GPUs",
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 
@@ -507,9 +596,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         save, why = save_attention_choice(config, a.seq_len, a.save_attention, **kw)
         p = plan(config, a.seq_len, save_attention=save, save_attention_why=why, **kw)
+        rates = read_calibration(a.calibration) if a.calibration else None
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
-    print(json.dumps(plan_to_dict(p, longest=True), indent=2) if a.json else format_plan(p))
+    if a.json:
+        print(json.dumps(plan_to_dict(p, longest=True, rates=rates), indent=2))
+    else:
+        print(format_plan(p, rates=rates))
+    if a.sweep:
+        print("\n" + format_sweep(p, sweep(p, rates)))
     return 0
 
 

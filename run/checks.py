@@ -84,6 +84,8 @@ def _rules(c) -> list[tuple[str, bool, str]]:
         ),
         ("max_bad_steps", c.max_bad_steps >= 1, "a positive count, such as 3"),
         ("gpu_mem_gb", 0 < c.gpu_mem_gb < INF, "a positive number of GB, such as 80"),
+        ("sweep", c.dry_run or not c.sweep, "given with --dry-run"),
+        ("calibration", c.dry_run or not c.calibration, "given with --dry-run"),
         (
             "host_mem_gb",
             0 < c.host_mem_gb < INF,

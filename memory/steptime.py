@@ -1,0 +1,485 @@
+"""Step-time model: how long one training step should take, phase by phase, and how long until the
+first one starts, projected from the plan before any GPU is rented.
+
+    from memory.plan import plan
+    from memory.steptime import project, read_calibration, startup
+    p = plan(Qwen3Config.preset("qwen3-8b"), 1_048_576, gpus=8, sp=8, save_attention=True)
+    t = project(p)            # H100 kernels at the public runs' rate: about 283 s (floor 151 s)
+    t.step_s, t.floor_s, [(ph.name, ph.time_s, ph.bound) for ph in t.phases]
+    project(p, read_calibration("gpu_check.json")).step_s  # the rates one GPU measured instead
+    startup(p).time_s         # start, weights from disk, host blocks pinned: before step 1
+    python -m memory.steptime # the model against the public runs' measured steps
+
+Compute: step_flops' count (memory/plan.py: 2 FLOPs per multiply-add, attention's backward 2.5x
+its forward, one more forward of every layer in backward, with or without its attention) on one
+GPU (a row's FLOPs over its sp GPUs), in four phases: forward (the layers' matmuls and attention),
+loss (the chunked loss's 3 lm_head products), backward (each layer's recompute and gradients),
+optimizer (clipping and AdamW). Each kind of kernel runs at a rate (Rates): assumed, the public
+runs' KERNEL_TFLOPS for the GPU type, or measured on one GPU by bench/gpu_check.py
+(read_calibration).
+
+Transfers: the all-to-alls around attention are on the critical path (attention waits for them),
+so they are added. FSDP2's all-gathers and reduce-scatters and the host copies (the offload pool's
+blocks, --cpu-offload's shards and gradients) run on their own streams beside a layer's compute:
+only what the longest of them takes beyond that layer's compute is added. With --cpu-offload AdamW
+runs on the CPU, at the plan's host memory bandwidth. Left out: each pass's first gather (one
+layer's), the gradient-norm all-reduce, the embedding lookup, data loading, Python overhead.
+
+Checked against the public runs (PUBLIC_RUNS, tests/test_steptime.py): at their configuration
+(one row over all their GPUs, whole-layer recompute) the six at 1,048,576 tokens or more come out
+within 4% at the one rate; the 131,072-token runs took 27-33% longer than it projects, so short
+rows are projected optimistically. Every time here is a projection, not a measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, replace
+
+from memory.buffers import Buffer
+from memory.plan import (
+    GB,
+    Plan,
+    host_pinned_bytes,
+    load_config,
+    param_shapes,
+    plan,
+    shard_numel,
+    step_flops,
+)
+from model.config import PRESETS, Qwen3Config
+
+# TFLOP/s per GPU of step_flops' count, attention included (its 2.5x backward) and whole-layer
+# recompute: what the public Qwen3 runs ran at. huggingface/trl pull request #6845's measured
+# table (8 x H100 SXM per node, bf16, cuDNN attention, chunked loss, FSDP2 with context
+# parallelism over every GPU, whole-layer checkpointing with offload): Qwen3-0.6B 1,048,576 tokens
+# 137 s -> 522; Qwen3-8B 1,048,576 tokens 364 s -> 522; Qwen3-32B 1,048,576 tokens 1295 s -> 527;
+# Qwen3-0.6B 4,194,304 tokens 2135 s -> 533; Qwen3-8B 2,097,152 tokens on 16 GPUs 696 s -> 535;
+# Qwen3-8B 4,194,304 tokens on 32 GPUs 1346 s -> 548. 530 is their mean, rounded. Attention is
+# 95-100% of those FLOPs, so this is attention's rate; matmuls are assumed to run at it too.
+KERNEL_TFLOPS = {"H100": 530.0}
+
+NVLINK_GBPS = 450.0  # per GPU per direction: H100 SXM NVLink 4, 900 GB/s both ways (data sheet)
+INTERNODE_GBPS = 50.0  # per GPU per direction: one 400 Gb/s InfiniBand NDR port per GPU
+# Host copies per GPU per direction with every GPU of the node copying: PCIe Gen5 x16 carries
+# about 50 GB/s for one GPU; a node's ~200 GB/s of host memory bandwidth shared 8 ways leaves 25.
+PCIE_GBPS = 25.0
+HBM_GBPS = 3350.0  # H100 SXM HBM3 (data sheet), for AdamW on the GPU
+# Fused AdamW per fp32 element: reads parameter, gradient, exp_avg, exp_avg_sq (16 B) and writes
+# the parameter and both moments (12 B); clipping reads the gradient for its norm, then reads and
+# writes it to scale it (12 B).
+ADAMW_GPU_BYTES = 28 + 12
+DISK_GBPS = 2.0  # per node, reading the checkpoint: a local NVMe does 3-7, a network filesystem ~1
+PIN_GBPS = 4.0  # host memory pinned per process (cudaHostAlloc touches and locks every page)
+START_S = 15.0  # import, CUDA start, process group, attention backend probe (gpu_check allows 15)
+CHECKPOINT_BYTES = 2  # bytes per parameter on disk: the Hugging Face Qwen3 checkpoints are bf16
+ATTENTION_ONCE_PASSES = (
+    4  # a layer's non-attention work in gpu_check: forward, recompute, 2 backward
+)
+
+
+@dataclass(frozen=True)
+class PublicRun:
+    model: str  # a preset name (model/config.py)
+    seq_len: int  # tokens of the one row per step
+    gpus: int  # context parallel over all of them, 8 per node
+    step_s: float  # measured
+    note: str = ""
+
+
+# huggingface/trl pull request #6845's measured table and its guide's context-parallel section
+# (the 131,072-token runs); see KERNEL_TFLOPS for the setup.
+PUBLIC_RUNS = (
+    PublicRun("qwen3-0.6b", 1_048_576, 8, 137.0),
+    PublicRun("qwen3-8b", 1_048_576, 8, 364.0, "380 s in the merged guide, #6846"),
+    PublicRun("qwen3-32b", 1_048_576, 8, 1295.0),
+    PublicRun("qwen3-0.6b", 4_194_304, 8, 2135.0),
+    PublicRun("qwen3-8b", 2_097_152, 16, 696.0),
+    PublicRun("qwen3-8b", 4_194_304, 32, 1346.0),
+    PublicRun("qwen3-4b", 131_072, 2, 34.6),
+    PublicRun("qwen3-4b", 131_072, 4, 17.8),
+    PublicRun("qwen3-4b", 131_072, 8, 9.5),
+)
+
+
+# ---- the rates ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rates:
+    """What the projection runs at, per GPU; `measured` names the fields a calibration measured,
+    every other one is an assumption. TFLOP/s are of step_flops' count."""
+
+    gpu: str
+    matmul_tflops: float  # a layer's work besides attention, counted as its matmuls' FLOPs
+    attention_fwd_tflops: float
+    attention_bwd_tflops: float
+    loss_tflops: float  # the chunked loss's 3 lm_head products
+    adamw_s_per_param: float  # clipping and AdamW on the GPU, per fp32 element of the shard
+    nvlink_gbps: float = NVLINK_GBPS
+    internode_gbps: float = INTERNODE_GBPS
+    pcie_gbps: float = PCIE_GBPS
+    disk_gbps: float = DISK_GBPS
+    pin_gbps: float = PIN_GBPS
+    start_s: float = START_S
+    measured: tuple[str, ...] = ()
+    source: str = "assumed"
+
+    def says(self, name: str) -> str:
+        """'measured' or 'assumed': where the field `name` comes from."""
+        return "measured" if name in self.measured else "assumed"
+
+
+def assumed_rates(gpu: str = "H100") -> Rates:
+    """Every kernel at the public runs' rate for this GPU type, the links and disks as assumed."""
+    if gpu not in KERNEL_TFLOPS:
+        raise ValueError(
+            f"no public runs give a kernel rate for {gpu!r} (known: {', '.join(KERNEL_TFLOPS)}); "
+            f"measure one with bench/gpu_check.py and pass its JSON (--calibration)"
+        )
+    rate = KERNEL_TFLOPS[gpu]
+    return Rates(
+        gpu=gpu,
+        matmul_tflops=rate,
+        attention_fwd_tflops=rate,
+        attention_bwd_tflops=rate,
+        loss_tflops=rate,
+        adamw_s_per_param=ADAMW_GPU_BYTES / (HBM_GBPS * GB),
+        source=f"assumed: {gpu} kernels at {rate:g} TFLOP/s, the public runs' rate",
+    )
+
+
+@dataclass(frozen=True)
+class KernelFlops:
+    """One row's FLOPs by phase and kind of kernel: step_flops' count, split (its totals give the
+    recompute and attention's backward, so the two cannot disagree)."""
+
+    dense_fwd: float
+    attention_fwd: float
+    loss: float  # forward and backward in one pass
+    dense_recompute: float
+    attention_recompute: float  # 0 with attention once
+    dense_bwd: float
+    attention_bwd: float
+
+
+def kernel_flops(config: Qwen3Config, seq_len: int, *, save_attention: bool, **kw) -> KernelFlops:
+    """step_flops(config, seq_len, **kw) split into phases and kernels."""
+    f = step_flops(config, seq_len, **kw)
+    dense, attn, lm = f["dense_fwd"], f["attention_fwd"], f["lm_head_fwd"]
+    step = f["no_attn_recompute" if save_attention else "full_recompute"]
+    dense_recompute = f["no_attn_recompute"] - f["model"]  # the layers' forward bar attention
+    return KernelFlops(
+        dense_fwd=dense,
+        attention_fwd=attn,
+        loss=3 * lm,
+        dense_recompute=dense_recompute,
+        attention_recompute=step - f["model"] - dense_recompute,
+        dense_bwd=2 * dense,
+        attention_bwd=f["model"] - 3 * (dense + lm) - attn,
+    )
+
+
+def params_per_gpu(config: Qwen3Config, gpus: int) -> int:
+    """fp32 elements of one rank's shards of every parameter (FSDP2 over `gpus`)."""
+    return sum(shard_numel(s, gpus) for s in param_shapes(config).values())
+
+
+def read_calibration(path: str, base: Rates | None = None) -> Rates:
+    """Rates measured by bench/gpu_check.py on one GPU, read from the JSON it writes; what it did
+    not measure (a part that did not run, the links, the disk, the start) stays as `base` has it.
+
+    Fields read: model, seq_len, sp (its step: FLOPs of each part from step_flops at that shape),
+    device (when present), and of each part with status "ok":
+      layers.per_layer_nonattn_s  one layer at seq_len/sp tokens besides its attention, attention
+                                  once (forward, recompute, backward: 4 forward matmul counts)
+      attention.fwd_s, .bwd_s     one sp rank's attention over seq_len tokens, nh/sp heads
+      loss.time_s                 the chunked loss at seq_len/sp tokens (3 lm_head products)
+      optimizer.time_s            clipping and AdamW over one rank's shards (FSDP2 over sp GPUs)
+      layers.runs.*.reserve_s, .pinned_mib   host blocks pinned before step 1, when present
+    """
+    base = base or assumed_rates()
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        config = load_config(d["model"])
+        seq_len, sp = int(d["seq_len"]), int(d["sp"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a gpu_check JSON ({type(e).__name__}: {e})") from None
+    L, t = config.num_hidden_layers, seq_len // sp
+    local = kernel_flops(config, t, save_attention=True)  # per GPU, the layer stack's shape
+    row = kernel_flops(config, seq_len, save_attention=True)  # one sp rank's attention: / sp
+    part = {k: d.get(k) or {} for k in ("layers", "attention", "loss", "optimizer")}
+    ok = {k: v.get("status") == "ok" for k, v in part.items()}
+    rates = {}
+
+    def take(name: str, value: float, seconds) -> None:  # value / seconds, if seconds is one
+        if isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds):
+            rates[name] = value / seconds
+
+    if ok["layers"]:
+        nonattn = part["layers"].get("per_layer_nonattn_s")
+        take("matmul_tflops", ATTENTION_ONCE_PASSES * local.dense_fwd / L / 1e12, nonattn)
+    if ok["attention"]:
+        fwd, bwd = (part["attention"].get(k) for k in ("fwd_s", "bwd_s"))
+        take("attention_fwd_tflops", row.attention_fwd / L / sp / 1e12, fwd)
+        take("attention_bwd_tflops", row.attention_bwd / L / sp / 1e12, bwd)
+    if ok["loss"]:
+        take("loss_tflops", local.loss / 1e12, part["loss"].get("time_s"))
+    if ok["optimizer"]:
+        take("adamw_params_per_s", params_per_gpu(config, sp), part["optimizer"].get("time_s"))
+        if "adamw_params_per_s" in rates:
+            rates["adamw_s_per_param"] = 1 / rates.pop("adamw_params_per_s")
+    stacks = (part["layers"].get("runs") or {}).values() if ok["layers"] else ()
+    pins = [r for r in stacks if (r.get("reserve_s") or 0) > 0 and (r.get("pinned_mib") or 0) > 0]
+    if pins:
+        r = max(pins, key=lambda r: r["pinned_mib"])
+        rates["pin_gbps"] = r["pinned_mib"] * 2**20 / r["reserve_s"] / GB
+    device = d.get("device") or next((v["device"] for v in part.values() if "device" in v), "?")
+    return replace(
+        base,
+        **rates,
+        gpu=device,
+        measured=tuple(rates),
+        source=f"gpu_check on {device} ({path})",
+    )
+
+
+# ---- the step -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Phase:
+    """One phase of the step: seconds by what takes them (kernels, then what transfers add)."""
+
+    name: str
+    terms: dict[str, float]  # they add up to the phase's time
+    flops: float  # per GPU
+    bound: str  # a transfer longer than the compute beside it, else the longest kernels
+
+    @property
+    def time_s(self) -> float:
+        return sum(self.terms.values())
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One step projected on each GPU, and the floor: its FLOPs at 100% of the peak."""
+
+    phases: tuple[Phase, ...]
+    flops_per_gpu: float
+    floor_s: float  # the limit no kernel reaches, for scale
+    rates: Rates
+
+    @property
+    def step_s(self) -> float:
+        return sum(ph.time_s for ph in self.phases)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """The rate the projection implies over the whole step."""
+        return self.flops_per_gpu / self.step_s / 1e12
+
+    def to_dict(self) -> dict:
+        return {
+            "step_s": self.step_s,
+            "floor_s": self.floor_s,
+            "flops_per_gpu": self.flops_per_gpu,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "phases": [
+                {"name": ph.name, "time_s": ph.time_s, "bound": ph.bound, "terms": ph.terms}
+                for ph in self.phases
+            ],
+            "rates": asdict(self.rates),
+        }
+
+
+def exchange_bytes(config: Qwen3Config, seq_len: int, sp: int, compute_bytes: int = 2) -> int:
+    """Bytes one rank sends per layer in one pass of Ulysses' exchanges (forward: q, k, v to heads
+    and out back; the recompute again; backward the same 4 gradients): (sp-1)/sp of each
+    [T/sp, heads, hd] buffer, kv heads repeated up to sp when sp exceeds them."""
+    if sp == 1:
+        return 0
+    c = config
+    heads = 2 * c.num_attention_heads + 2 * max(c.num_key_value_heads, sp)
+    buffers = seq_len // sp * heads * c.head_dim * compute_bytes
+    return buffers * (sp - 1) // sp
+
+
+def _phase(
+    name: str,
+    flops: float,
+    kernels: dict,
+    exchange_s: float = 0.0,
+    beside: dict | None = None,
+    layers: int = 1,
+) -> Phase:
+    """A phase over `layers` layers: its kernels' seconds, the all-to-alls added, and of the
+    transfers beside each layer's compute (`beside`: seconds per layer, each on its own engine)
+    the longest one's excess over that compute, once per layer."""
+    terms = dict(kernels)
+    bound = max(kernels, key=kernels.get)
+    if exchange_s:
+        terms["all-to-all"] = exchange_s
+    if beside:
+        what, per_layer = max(beside.items(), key=lambda kv: kv[1])
+        excess = layers * max(per_layer - sum(kernels.values()) / layers, 0.0)
+        if excess:
+            bound = f"{what} beyond the compute beside them"
+            terms[bound] = excess
+    return Phase(name, terms, flops, bound)
+
+
+def project(p: Plan, rates: Rates | None = None) -> StepTime:
+    """The step of plan `p` on each of its GPUs, at `rates` (default: assumed_rates())."""
+    r = rates or assumed_rates()
+    c, lay, o = p.config, p.layout, p.options
+    L, sp, W = c.num_hidden_layers, lay.sp, lay.gpus
+    k = kernel_flops(
+        c, p.seq_len, save_attention=o.save_attention, attn_bwd_factor=o.attn_bwd_factor
+    )
+    # each of a row's sp GPUs runs 1/sp of its FLOPs: rates in FLOP/s per row
+    mm, af, ab, lo = (
+        x * 1e12 * sp
+        for x in (r.matmul_tflops, r.attention_fwd_tflops, r.attention_bwd_tflops, r.loss_tflops)
+    )
+    # the transfers of one layer on one GPU, in seconds
+    gathered = p.layer.gathered.get(Buffer.GATHERED_LAYER, 0)  # bf16, padded as FSDP2 pads
+    elements = gathered // o.compute_bytes
+    fsdp = (r.nvlink_gbps if W <= lay.gpus_per_node else r.internode_gbps) * GB
+    gather = gathered * (W - 1) / W / fsdp
+    reduce = elements * o.master_bytes * (W - 1) / W / fsdp  # gradients reduced in fp32
+    pcie = r.pcie_gbps * GB
+    pool = p.host.offload_bytes_per_step / 2 / L / pcie  # out in forward, back in backward
+    shard = elements * o.master_bytes / W / pcie if o.cpu_offload else 0.0
+    a2a = L * exchange_bytes(c, p.seq_len, sp, o.compute_bytes) / (r.nvlink_gbps * GB)
+    forward = _phase(
+        "forward",
+        (k.dense_fwd + k.attention_fwd) / sp,
+        {"matmul kernels": k.dense_fwd / mm, "attention kernels": k.attention_fwd / af},
+        a2a,
+        {"FSDP2 all-gathers": gather, "host copies in": shard, "host copies out": pool},
+        L,
+    )
+    loss = _phase("loss", k.loss / sp, {"loss kernels": k.loss / lo})
+    backward = _phase(
+        "backward (recompute + gradients)",
+        (k.dense_recompute + k.attention_recompute + k.dense_bwd + k.attention_bwd) / sp,
+        {
+            "matmul kernels": (k.dense_recompute + k.dense_bwd) / mm,
+            "attention kernels": k.attention_recompute / af + k.attention_bwd / ab,
+        },
+        2 * a2a,  # the recompute's exchanges and the gradients'
+        {
+            "FSDP2 all-gathers + reduce-scatters": gather + reduce,
+            "host copies in": pool + shard,
+            "host copies out": shard,
+        },
+        L,
+    )
+    if o.cpu_offload:
+        adamw = {"CPU AdamW": p.cpu_offload_cost.adamw_time_s}
+    else:
+        adamw = {"AdamW on the GPU": params_per_gpu(c, W) * r.adamw_s_per_param}
+    optimizer = _phase("optimizer (clip + AdamW)", 0.0, adamw)
+    per_gpu = p.flops.step / W
+    return StepTime((forward, loss, backward, optimizer), per_gpu, per_gpu / (o.tflops * 1e12), r)
+
+
+# ---- before the first step -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Startup:
+    """Time to the first step: the start, the weights read from disk, the host blocks pinned."""
+
+    start_s: float
+    weights_bytes_per_rank: float
+    weights_bytes_per_node: float
+    weights_s: float
+    pinned_bytes_per_process: int
+    pin_s: float
+    rates: Rates
+
+    @property
+    def time_s(self) -> float:
+        return self.start_s + self.weights_s + self.pin_s
+
+
+def startup(p: Plan, rates: Rates | None = None) -> Startup:
+    """Each rank reads only its rows of every tensor (model/weights.py), so a node reads
+    node/gpus of the checkpoint; each process pins its offload pool's blocks (and with
+    --cpu-offload its parameter and gradient shards) before step 1; all processes at once."""
+    r = rates or assumed_rates()
+    lay, o = p.layout, p.options
+    checkpoint = p.config.num_params() * CHECKPOINT_BYTES
+    per_rank = checkpoint / lay.gpus
+    per_node = min(checkpoint, per_rank * lay.gpus_per_node)
+    pinned = p.host.saved_inputs_per_gpu + p.host.saved_attention_per_gpu
+    if o.cpu_offload:
+        shards = (
+            shard_numel(s, lay.gpus) * o.master_bytes for s in param_shapes(p.config).values()
+        )
+        pinned += sum(2 * host_pinned_bytes(n) for n in shards)
+    return Startup(
+        start_s=r.start_s,
+        weights_bytes_per_rank=per_rank,
+        weights_bytes_per_node=per_node,
+        weights_s=per_node / (r.disk_gbps * GB),
+        pinned_bytes_per_process=pinned,
+        pin_s=pinned / (r.pin_gbps * GB),
+        rates=r,
+    )
+
+
+# ---- the public runs ------------------------------------------------------------------------
+def public_configuration(config: Qwen3Config, seq_len: int, gpus: int, **options) -> Plan:
+    """The public runs' step in this planner's terms: one row over all `gpus`, whole-layer
+    recompute (attention included). The planner keeps sp inside a node, so the node is declared
+    as all of them: only the exchanges' and FSDP2's link speeds see that (NVLink for InfiniBand),
+    under 1% of these steps."""
+    return plan(config, seq_len, gpus=gpus, sp=gpus, gpus_per_node=gpus, **options)
+
+
+def public_projections(rates: Rates | None = None) -> list[tuple[PublicRun, StepTime]]:
+    """Every public run and this model's step at its configuration."""
+    return [
+        (run, project(public_configuration(PRESETS[run.model], run.seq_len, run.gpus), rates))
+        for run in PUBLIC_RUNS
+    ]
+
+
+def format_public_runs(rates: Rates | None = None) -> str:
+    """The public runs' measured steps beside this model's projection at their configuration."""
+    rows = public_projections(rates)
+    r = rows[0][1].rates
+    out = [
+        "public Qwen3 runs (huggingface/trl #6845, 8 x H100 per node) beside this model at their",
+        "configuration: one row over all their GPUs, whole-layer recompute (attention included)",
+        f"  {'model':12}{'tokens':>11}{'GPUs':>6}{'measured':>11}{'projected':>11}{'deviation':>11}"
+        f"{'floor':>9}{'implied TFLOP/s':>17}",
+    ]
+    for run, t in rows:
+        implied = t.flops_per_gpu / run.step_s / 1e12
+        out.append(
+            f"  {run.model:12}{run.seq_len:>11,}{run.gpus:>6}{run.step_s:>9.1f} s"
+            f"{t.step_s:>9.1f} s{100 * (t.step_s / run.step_s - 1):>+10.1f}%"
+            f"{t.floor_s:>7.0f} s{implied:>17.0f}" + (f"   ({run.note})" if run.note else "")
+        )
+    out.append(f"  projected: {r.source}; floor: the same FLOPs at 100% of 989 TFLOP/s, the limit")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m memory.steptime", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--calibration", default=None, help="a bench/gpu_check.py JSON: its rates")
+    a = ap.parse_args(argv)
+    try:
+        rates = read_calibration(a.calibration) if a.calibration else None
+    except ValueError as e:
+        ap.error(str(e))
+    print(format_public_runs(rates))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
