@@ -600,10 +600,10 @@ def rehearse(cfg: TrainConfig) -> None:
     cpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cpu")
     padded_row = math.ceil(cfg.seq_len / sp) * sp
     workspace = backward_workspace_bytes(padded_row, mc.num_attention_heads // sp, mc.head_dim)
-    flops_planned = step_flops(mc, cfg.seq_len)
+    flops_planned = step_flops(mc, cfg.seq_len)  # one row, which an sp group shares
     recompute = "no_attn_recompute" if planned.options.save_attention else "full_recompute"
     lines, record = summarize(
-        steps, cpu_plan, flops_planned[recompute] / world, gpu_only_terms(workspace, world)
+        steps, cpu_plan, flops_planned[recompute] / sp, gpu_only_terms(workspace, world)
     )
     for line in lines:
         log0(line)
