@@ -853,7 +853,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         cfg,
         rank,
         start=start,
-        planned_peak_gb=planned.total / 1e9,
+        planned_peak_gb=(planned.first_step_total / 1e9, planned.total / 1e9),
         peak_tflops=peak_tflops(device),
         flops_per_step=flops,
         world=world,

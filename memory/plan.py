@@ -344,6 +344,12 @@ class Plan:
         return self.held.bytes + self.peak.bytes
 
     @property
+    def first_step_total(self) -> int:
+        """The peak of a run's first step: AdamW creates its states inside that step's
+        optimizer.step(), after the backward that makes the peak, so they are not held yet."""
+        return self.total - self.held.adamw_states
+
+    @property
     def tokens_per_gpu(self) -> int:
         return self.seq_len // self.layout.sp
 

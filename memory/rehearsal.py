@@ -263,7 +263,9 @@ def summarize(steps, cpu_plan, flops_planned: float, gpu_terms) -> tuple[list[st
     y = sum(n for _, n, _ in gpu_terms)
     lines.append(
         f"planned {cpu_plan.total / 1e9:.2f} GB for this CPU path "
-        f"(rehearsed {x / cpu_plan.total - 1:+.1%} against it)"
+        f"(rehearsed {x / cpu_plan.total - 1:+.1%} against it); step 1, before AdamW's states: "
+        f"{cpu_plan.first_step_total / 1e9:.2f} GB planned, "
+        f"{first.meter.peak_bytes / 1e9:.2f} rehearsed"
     )
     lines.append(
         f"rehearsed {x / 1e9:.2f} + GPU-only {y / 1e9:.2f} = {(x + y) / 1e9:.2f} GB per GPU"
@@ -274,7 +276,11 @@ def summarize(steps, cpu_plan, flops_planned: float, gpu_terms) -> tuple[list[st
             "step1": first.meter.phase_peaks,
             "step2": second.meter.phase_peaks,
         },
-        "planned_bytes": {"total": cpu_plan.total, **planned},
+        "planned_bytes": {
+            "total": cpu_plan.total,
+            "first_step": cpu_plan.first_step_total,
+            **planned,
+        },
         "flops": {"rehearsed": first.flops.total, "planned": flops_planned, "by_part": parts},
         "gpu_only_bytes": {name: n for name, n, _ in gpu_terms},
         "per_gpu_bytes": x + y,

@@ -1,6 +1,7 @@
 """What each training step leaves behind: one record in metrics.jsonl, one console line, reporters.
 
-    log = StepLog(cfg, rank, start=0, planned_peak_gb=34.5, peak_tflops=989.0, flops_per_step=f)
+    log = StepLog(cfg, rank, start=0, planned_peak_gb=(26.3, 34.5), peak_tflops=989.0,
+                  flops_per_step=f)          # planned: (a fresh run's first step, any other)
     log.step(step=1, result=result, lr=1e-5, seconds=12.3, peak_gb=33.1, reserved_gb=34.0,
              offloaded_bytes=b,
              guard=guard)
@@ -37,13 +38,16 @@ class StepLog:
         rank: int,
         *,
         start: int,
-        planned_peak_gb: float,
+        planned_peak_gb: tuple[float, float],
         peak_tflops: float | None,
         flops_per_step: float,
         world: int,
     ) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
-        self.planned_peak_gb = planned_peak_gb
+        # A fresh run's first step has no AdamW states yet (torch makes them in its optimizer
+        # step, after the peak); a resumed run loads them, so its first step is like any other.
+        self.planned_first_gb, self.planned_gb = planned_peak_gb
+        self.fresh = start == 0
         self.peak_tflops, self.flops_per_step = peak_tflops, flops_per_step
         self.first: tuple[int, float] | None = None
         self.last: tuple[int, float] | None = None
@@ -118,7 +122,9 @@ class StepLog:
             "tokens_per_s_per_gpu": tokens_per_s / self.world,
             "peak_mem_gb": peak_gb,
             "reserved_mem_gb": reserved_gb,
-            "planned_peak_gb": self.planned_peak_gb,
+            "planned_peak_gb": self.planned_first_gb
+            if self.fresh and step == 1
+            else self.planned_gb,
             "mfu": mfu,
             "skipped": result.skipped,
             "nonfinite_steps": self.guard.total,
