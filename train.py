@@ -501,17 +501,24 @@ def main(argv=None) -> None:
             lock.release()
 
 
-def dry_run(cfg: TrainConfig) -> None:
-    # Under torchrun: its world; else this machine's GPUs; else the recipe's node of 8.
+def offline_layout(cfg: TrainConfig, what: str):
+    """(model config, world, sp, dp) for a run planned without starting it (--dry-run,
+    --rehearse): no process group, no download, no weights. The world is torchrun's, else this
+    machine's GPUs, else the recipe's node of 8."""
     world = int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 8
     check_flags(cfg)
     mc, _ = resolve_model(cfg, download=False, weights=False)
     if mc is None:
         raise ConfigError(
-            f"--model {cfg.model}: its shapes are unknown without a download; for a dry run pass "
+            f"--model {cfg.model}: its shapes are unknown without a download; {what} pass "
             f"a directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})"
         )
     sp, dp = check_layout(cfg, mc, world, min(world, 8))
+    return mc, world, sp, dp
+
+
+def dry_run(cfg: TrainConfig) -> None:
+    mc, world, sp, dp = offline_layout(cfg, "for a dry run")
     resolved = {
         "train": dataclasses.asdict(cfg),
         "model": mc.to_dict(),
@@ -546,15 +553,7 @@ def rehearse(cfg: TrainConfig) -> None:
     )
     from model.attention import backward_workspace_bytes
 
-    world = int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 8
-    check_flags(cfg)
-    mc, _ = resolve_model(cfg, download=False, weights=False)
-    if mc is None:
-        raise ConfigError(
-            f"--model {cfg.model}: its shapes are unknown without a download; to rehearse pass "
-            f"a directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})"
-        )
-    sp, dp = check_layout(cfg, mc, world, min(world, 8))
+    mc, world, sp, dp = offline_layout(cfg, "to rehearse")
     # The CPU path is what runs (fake CUDA tensors cannot run autograd without a GPU): the same
     # tensors as on a GPU, with CPU kernels; what only a GPU holds is added by name below.
     device = torch.device("cpu")
