@@ -86,6 +86,7 @@ def _rules(c) -> list[tuple[str, bool, str]]:
         ("gpu_mem_gb", 0 < c.gpu_mem_gb < INF, "a positive number of GB, such as 80"),
         ("sweep", c.dry_run or not c.sweep, "given with --dry-run"),
         ("calibration", c.dry_run or not c.calibration, "given with --dry-run"),
+        ("rehearse", not (c.rehearse and c.dry_run), "given without --dry-run (one or the other)"),
         (
             "host_mem_gb",
             0 < c.host_mem_gb < INF,
