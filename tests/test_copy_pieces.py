@@ -68,7 +68,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = {root!r}
-assert not any(os.path.abspath(p or ".").startswith(ROOT) for p in sys.path), sys.path
+def inside_root(path):  # ROOT itself or below it; a sibling such as ROOT + "venv" is not
+    path = os.path.abspath(path or ".")
+    return path == ROOT or path.startswith(ROOT + os.sep)
+assert not any(inside_root(p) for p in sys.path), sys.path
 for name in ("model", "loss", "train", "memory", "bench"):
     assert importlib.util.find_spec(name) is None, name + " imports in the copy's directory"
 torch.set_num_threads(1)
