@@ -51,7 +51,7 @@ from model.attention_probe import PROBE_TOKENS, check_attention, probe_kernel, t
 ROOT = Path(__file__).resolve().parents[1]
 GB, GiB = 1e9, 2**30
 SHARES = {"loss": 0.13, "layers": 0.30, "attention": 0.18, "backends": 0.07, "optimizer": 0.07}
-SHARES.update(int32=0.12, cpu_offload=0.13)
+SHARES.update(int32=0.10, cpu_offload=0.15)
 ATTN_TFLOPS = 300.0  # a floor for bf16 causal attention on H100/H200, for the int32 part's estimate
 STARTUP_S = {"cuda": 15.0, "cpu": 3.0}  # a fresh process's imports and CUDA start
 PART_COLUMNS = {"part": "", "status": "", "process_s": ".1f", "process_peak_gb": ".2f"}
@@ -89,7 +89,7 @@ FULL = Geometry(
     2.0,
     65536,
     532_480,
-    ("qwen3-0.6b", 65_536, 3),
+    ("qwen3-0.6b", 65_536, 2),
 )
 TINY = Geometry("tiny", 512, 2, (32, 128, 256), (2, 3), 64, 3, 0.05, 512, 512, ("tiny", 512, 2))
 

@@ -235,7 +235,7 @@ def _failing(broken: dict, calls=None):
     return probe
 
 
-def test_probe_failure_falls_back_to_flash_with_the_reason():
+def test_probe_failure_falls_back_to_flash_with_the_reason(capsys):
     kw = dict(num_heads=4, num_kv_heads=1, head_dim=128, can_use=_probe({"cudnn", "flash"}))
     bf16, calls = torch.bfloat16, []
     ok = pick_backend("cuda", bf16, **kw, probe=_failing({}, calls))
@@ -255,9 +255,17 @@ def test_probe_failure_falls_back_to_flash_with_the_reason():
     # a named backend that fails its probe is refused, not swapped
     with pytest.raises(ValueError, match="'cudnn' failed its probe .*No valid execution plans"):
         pick_backend("cuda", bf16, **kw, request="cudnn", probe=_failing({"cudnn": boom}))
-    # and train.py turns a refusal into its one-line ConfigError
+    # train.py's log line names the kernel and why the one before it was passed over
     import train
+    from memory.plan import plan
     from model.config import ConfigError
+
+    tiny = Qwen3Config.preset("tiny")
+    planned = plan(tiny, 512, gpus=1, sp=1, device="cpu")
+    train.log_attention(train.TrainConfig(seq_len=512), tiny, 1, torch.float32, c, planned)
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"attention: FlashAttention-2 (flash; cudnn: {boom}); "), line
+    # and a refusal becomes its one-line ConfigError
 
     if not torch.cuda.is_available():
         cfg = train.TrainConfig(seq_len=2**20)
