@@ -133,7 +133,8 @@ def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     if la["backend"] is None:
         raise RuntimeError(f"local attention did not run: {la['backend_errors']}")
     la_s = la["fwd_s"] + la["bwd_s"]  # attention once: the recompute replays its output
-    set_backend(bench_attention.pinned_backend(dev, dtype, *heads, T))  # what training pins
+    pinned = bench_attention.pinned_backend(dev, dtype, *heads, T)
+    set_backend(pinned)  # what training pins
     runs, skipped = {}, []
     for L in g.stack_layers:
         estimate, left = (1 + g.steps) * L * 2.5 * la_s, limit_s - (time.perf_counter() - t0)
@@ -163,18 +164,20 @@ def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
         "local_attention": la,
         "local_attention_s": la_s,
         "per_layer_nonattn_s": per_layer - la_s,
-        "working_set": _working_set(cfg, T, g.mlp_tile, runs, dtype.itemsize),
+        "working_set": _working_set(cfg, T, g.mlp_tile, runs, dtype.itemsize, pinned),
     }
 
 
-def _working_set(cfg, tokens: int, tile: int, runs: dict, esize: int) -> dict:
+def _working_set(cfg, tokens: int, tile: int, runs: dict, esize: int, backend: str) -> dict:
     """The one-layer backward working set, measured against the planner's layer working set.
 
     Measured: the peak over parameters and inputs at the most layers, less the stack's output
     (held through backward) and the gradients of layers 2..L-1: the peak comes in layer 1's
     backward (the last with an input to prefetch) while the layers after it hold gradients.
-    Planned: at sp=1 and these tokens, less FSDP2's terms and the RoPE tables (in the base)."""
-    p = plan(cfg, tokens, gpus=1, sp=1, mlp_tile=tile, compute_bytes=esize, save_attention=True)
+    Planned: at sp=1 and these tokens on `backend` (flash: dk, dv expanded), less FSDP2's terms
+    and the RoPE tables (in the base)."""
+    kw = dict(mlp_tile=tile, compute_bytes=esize, save_attention=True, attn_backend=backend)
+    p = plan(cfg, tokens, gpus=1, sp=1, **kw)
     less = (Buffer.REDUCE_SCATTER_INPUT, Buffer.GRAD_SHARDS, Buffer.ROPE)
     planned = p.layer.working_bytes - sum(p.layer.working.get(k, 0) for k in less)
     layer0 = [s for k, s in param_shapes(cfg).items() if k.startswith("model.layers.0.")]
