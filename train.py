@@ -48,11 +48,18 @@ from data import RowLoader, build_rows
 from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
 from memory.plan import plan_for_run, step_flops
-from memory.report import format_plan
+from memory.report import format_plan, plan_warnings
 from memory.snapshot import cuda_memory_history
 from memory.steptime import read_calibration
 from memory.sweep import format_sweep, sweep
-from model.attention import BACKENDS, pick_backend, saved_attention_bytes, set_backend
+from model.attention import (
+    BACKENDS,
+    BackendChoice,
+    pick_backend,
+    saved_attention_bytes,
+    set_backend,
+)
+from model.attention_probe import probe_kernel
 from model.checkpoint_offload import apply_offload
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
@@ -551,7 +558,6 @@ def rehearse(cfg: TrainConfig) -> None:
         summarize,
         write_timeline,
     )
-    from model.attention import backward_workspace_bytes
 
     mc, world, sp, dp = offline_layout(cfg, "to rehearse")
     # The CPU path is what runs (fake CUDA tensors cannot run autograd without a GPU): the same
@@ -597,12 +603,11 @@ def rehearse(cfg: TrainConfig) -> None:
         pool.reset_step()
     # The plan of this CPU path is what the rehearsal measures; the GPU terms come on top.
     cpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cpu")
-    padded_row = math.ceil(cfg.seq_len / sp) * sp
-    workspace = backward_workspace_bytes(padded_row, mc.num_attention_heads // sp, mc.head_dim)
+    gpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
     flops_planned = step_flops(mc, cfg.seq_len)  # one row, which an sp group shares
     recompute = "no_attn_recompute" if planned.options.save_attention else "full_recompute"
     lines, record = summarize(
-        steps, cpu_plan, flops_planned[recompute] / sp, gpu_only_terms(workspace, world)
+        steps, cpu_plan, flops_planned[recompute] / sp, gpu_only_terms(gpu_plan)
     )
     for line in lines:
         log0(line)
@@ -680,10 +685,12 @@ def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
         )
 
 
-def choose_attention(cfg, mc, sp, device, dtype) -> tuple[TrainConfig, str]:
-    """Pick the attention kernel for this layout; sdpa keeps no lse, so no attention once."""
+def choose_attention(cfg, mc, sp, device, dtype) -> tuple[TrainConfig, BackendChoice]:
+    """Pick the attention kernel for this layout, on CUDA by running each candidate once at this
+    rank's heads (model/attention_probe.py); cfg then names it, for the plan (flash's backward
+    expands dk, dv). sdpa keeps no lse, so no attention once."""
     try:
-        backend = pick_backend(
+        choice = pick_backend(
             device,
             dtype,
             num_heads=mc.num_attention_heads // sp,
@@ -691,13 +698,15 @@ def choose_attention(cfg, mc, sp, device, dtype) -> tuple[TrainConfig, str]:
             head_dim=mc.head_dim,
             seq_len=cfg.seq_len,
             request=cfg.attn_backend,
+            probe=probe_kernel if device.type == "cuda" else None,
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    set_backend(backend)
-    if backend == "sdpa":
+    set_backend(choice.name)
+    cfg = dataclasses.replace(cfg, attn_backend=choice.name)
+    if choice.name == "sdpa":
         cfg = dataclasses.replace(cfg, save_attention=False)
-    return cfg, backend
+    return cfg, choice
 
 
 def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
@@ -711,7 +720,10 @@ def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
     else:
         how = "attention recomputed in backward"
     why = f" ({planned.options.save_attention_why})" if planned.options.save_attention_why else ""
-    log0(f"attention: {BACKENDS[backend]} ({backend}); {how}{why}")
+    passed = f"; {backend.why}" if backend.why else ""  # why cuDNN (say) was passed over
+    log0(f"attention: {BACKENDS[backend.name]} ({backend.name}{passed}); {how}{why}")
+    for warning in plan_warnings(planned):
+        log0(f"warning: {warning}")
 
 
 def reserve_host_blocks(pool, cfg, mc, sp, dtype, device, save_attention: bool) -> None:

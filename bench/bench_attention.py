@@ -24,6 +24,7 @@ from bench.table import table
 from bench.timer import measure, sync
 from memory.plan import load_config, step_flops
 from model.attention import get_backend, pick_backend, set_backend
+from model.attention_probe import probe_kernel
 from model.qwen3 import causal_attention
 from model.ulysses_exchange import check_heads
 
@@ -109,8 +110,10 @@ def _fwd_bwd(q, k, v, dout) -> tuple:
 
 
 def pinned_backend(dev, dtype, hq: int, hkv: int, hd: int, T: int | None = None) -> str:
-    """The backend train.py pins for these per-rank shapes."""
-    return pick_backend(dev, dtype, num_heads=hq, num_kv_heads=hkv, head_dim=hd, seq_len=T)
+    """The backend train.py pins for these per-rank shapes (on CUDA after its probe)."""
+    probe = probe_kernel if torch.device(dev).type == "cuda" else None
+    kw = dict(num_heads=hq, num_kv_heads=hkv, head_dim=hd, seq_len=T, probe=probe)
+    return pick_backend(dev, dtype, **kw).name
 
 
 def _timed(T: int, heads: tuple, dev: torch.device, steps: int, deadline: float) -> dict:

@@ -1,6 +1,8 @@
 """One GPU, under 6 minutes: the pieces of a 1M-token Qwen3-8B step, timed as training runs them
 (1,048,576 tokens over 8 GPUs at sp=8, attention once, 16,384-row MLP tiles, the kernel train.py
-pins), and the 8-GPU step projected from them. README "On one GPU" lists the parts and the sum.
+pins), and the 8-GPU step projected from them; what only a GPU shows besides: train.py's backend
+probe and its fallback, memory outside torch's allocator, attention past 2^31 elements, and a
+train.py --cpu-offload run. README "On one GPU" lists the parts and the sum.
 
     timeout 360 python bench/gpu_check.py --budget-s 330 --out gpu_check.json   # ~3 min expected
     python bench/gpu_check.py --parts attention,backends --out r.json
@@ -9,18 +11,22 @@ pins), and the 8-GPU step projected from them. README "On one GPU" lists the par
 Each part runs in a fresh process (its own allocator and peak; --tiny: all in one) under its share
 of --budget-s plus what earlier parts left, and the JSON is rewritten after each. A part short of
 time runs smaller (one layer stack, not two; the attention at a shorter length scaled by T^2) or
-is skipped with the reason. Projected, not measured: step = layers x (layer without
-attention + attention fwd + bwd) + loss + all-to-all (bench_attention.exchange_volumes at
---nvlink-gbps) + optimizer; the peak per GPU is the planner's with the measured one-layer working
-set and loss.
+is skipped with the reason. Each part records its peak allocated and reserved memory and the
+device memory outside torch's allocator (the CUDA context). Projected, not measured: step =
+layers x (layer without attention + attention fwd + bwd) + loss + all-to-all
+(bench_attention.exchange_volumes at --nvlink-gbps) + optimizer; the peak per GPU is the
+planner's with the measured one-layer working set and loss.
 """
 
 import argparse
+import functools
 import json
 import math
 import os
 import resource
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,10 +45,14 @@ from bench.timer import measure
 from memory.buffers import Buffer
 from memory.plan import load_config, param_shapes, plan, shard_numel, step_flops
 from memory.report import PUBLIC_RECIPE
-from model.attention import set_backend
+from model.attention import attention, pick_backend, set_backend, torch_cudnn_gate
+from model.attention_probe import PROBE_TOKENS, check_attention, probe_kernel, training_layout
 
+ROOT = Path(__file__).resolve().parents[1]
 GB, GiB = 1e9, 2**30
-SHARES = {"loss": 0.15, "layers": 0.35, "attention": 0.25, "backends": 0.10, "optimizer": 0.10}
+SHARES = {"loss": 0.13, "layers": 0.30, "attention": 0.18, "backends": 0.07, "optimizer": 0.07}
+SHARES.update(int32=0.10, cpu_offload=0.15)
+ATTN_TFLOPS = 300.0  # a floor for bf16 causal attention on H100/H200, for the int32 part's estimate
 STARTUP_S = {"cuda": 15.0, "cpu": 3.0}  # a fresh process's imports and CUDA start
 PART_COLUMNS = {"part": "", "status": "", "process_s": ".1f", "process_peak_gb": ".2f"}
 
@@ -60,14 +70,28 @@ class Geometry:
     steps: int
     loss_min_time_s: float
     check_tokens: int  # cuDNN against flash
+    int32_tokens: int  # sp=1 heads: q past 2^31 elements at the full size
+    offload_run: tuple  # train.py --cpu-offload: model, tokens, steps
 
     @property
     def tokens(self) -> int:
         return self.seq_len // self.sp
 
 
-FULL = Geometry("qwen3-8b", 1_048_576, 8, (256, 1024), (2, 4), 16384, 2, 2.0, 65536)
-TINY = Geometry("tiny", 512, 2, (32, 128), (2, 3), 64, 3, 0.05, 512)
+FULL = Geometry(
+    "qwen3-8b",
+    1_048_576,
+    8,
+    (256, 1024, 4096),
+    (2, 4),
+    16384,
+    2,
+    2.0,
+    65536,
+    532_480,
+    ("qwen3-0.6b", 65_536, 2),
+)
+TINY = Geometry("tiny", 512, 2, (32, 128, 256), (2, 3), 64, 3, 0.05, 512, 512, ("tiny", 512, 2))
 
 
 def _dtype(dev: torch.device) -> torch.dtype:
@@ -109,7 +133,8 @@ def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     if la["backend"] is None:
         raise RuntimeError(f"local attention did not run: {la['backend_errors']}")
     la_s = la["fwd_s"] + la["bwd_s"]  # attention once: the recompute replays its output
-    set_backend(bench_attention.pinned_backend(dev, dtype, *heads, T))  # what training pins
+    pinned = bench_attention.pinned_backend(dev, dtype, *heads, T)
+    set_backend(pinned)  # what training pins
     runs, skipped = {}, []
     for L in g.stack_layers:
         estimate, left = (1 + g.steps) * L * 2.5 * la_s, limit_s - (time.perf_counter() - t0)
@@ -139,18 +164,20 @@ def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
         "local_attention": la,
         "local_attention_s": la_s,
         "per_layer_nonattn_s": per_layer - la_s,
-        "working_set": _working_set(cfg, T, g.mlp_tile, runs, dtype.itemsize),
+        "working_set": _working_set(cfg, T, g.mlp_tile, runs, dtype.itemsize, pinned),
     }
 
 
-def _working_set(cfg, tokens: int, tile: int, runs: dict, esize: int) -> dict:
+def _working_set(cfg, tokens: int, tile: int, runs: dict, esize: int, backend: str) -> dict:
     """The one-layer backward working set, measured against the planner's layer working set.
 
     Measured: the peak over parameters and inputs at the most layers, less the stack's output
     (held through backward) and the gradients of layers 2..L-1: the peak comes in layer 1's
     backward (the last with an input to prefetch) while the layers after it hold gradients.
-    Planned: at sp=1 and these tokens, less FSDP2's terms and the RoPE tables (in the base)."""
-    p = plan(cfg, tokens, gpus=1, sp=1, mlp_tile=tile, compute_bytes=esize, save_attention=True)
+    Planned: at sp=1 and these tokens on `backend` (flash: dk, dv expanded), less FSDP2's terms
+    and the RoPE tables (in the base)."""
+    kw = dict(mlp_tile=tile, compute_bytes=esize, save_attention=True, attn_backend=backend)
+    p = plan(cfg, tokens, gpus=1, sp=1, **kw)
     less = (Buffer.REDUCE_SCATTER_INPUT, Buffer.GRAD_SHARDS, Buffer.ROPE)
     planned = p.layer.working_bytes - sum(p.layer.working.get(k, 0) for k in less)
     layer0 = [s for k, s in param_shapes(cfg).items() if k.startswith("model.layers.0.")]
@@ -177,10 +204,60 @@ def part_attention(g: Geometry, dev: torch.device, limit_s: float) -> dict:
 
 
 def part_backends(g: Geometry, dev: torch.device, limit_s: float) -> dict:
-    """cuDNN against flash (CPU: cpu_flash against math) on one sp rank's heads."""
-    cfg = load_config(g.model)
-    hq, hkv = cfg.num_attention_heads // g.sp, max(cfg.num_key_value_heads // g.sp, 1)
-    return bench_attention.compare_backends(g.check_tokens, hq, hkv, cfg.head_dim, device=str(dev))
+    """On one sp rank's heads: train.py's probe of each kernel and its choice (torch's cuDNN gate
+    included), the fallback when cuDNN's probe fails (CPU: cpu_flash's, to math), then cuDNN
+    against flash (CPU: cpu_flash against math) at check_tokens."""
+    cfg, dtype = load_config(g.model), _dtype(dev)
+    heads = (cfg.num_attention_heads // g.sp, max(cfg.num_key_value_heads // g.sp, 1))
+    kw = dict(num_heads=heads[0], num_kv_heads=heads[1], head_dim=cfg.head_dim)
+    first, second = ("cudnn", "flash") if dev.type == "cuda" else ("cpu_flash", "math")
+    tokens = PROBE_TOKENS if dev.type == "cuda" else g.check_tokens  # CPU: fewer, in seconds
+    probe = functools.partial(probe_kernel, tokens=tokens)
+    out = {"probe": {n: probe(n, dev, dtype, *kw.values()) or "ok" for n in (first, second)}}
+    chosen = pick_backend(dev, dtype, **kw, probe=probe)
+
+    def first_fails(name, *shape):
+        return "failure injected" if name == first else probe(name, *shape)
+
+    fallback = pick_backend(dev, dtype, **kw, probe=first_fails)
+    out.update(chosen=chosen.name, chosen_why=chosen.why, fallback=fallback.name)
+    out.update(fallback_why=fallback.why, cudnn_version=torch.backends.cudnn.version())
+    out["cudnn_gate"] = torch_cudnn_gate("cudnn", dev) if dev.type == "cuda" else None
+    ran = bench_attention.compare_backends(g.check_tokens, *heads, cfg.head_dim, device=str(dev))
+    return {**ran, **out}
+
+
+def part_int32(g: Geometry, dev: torch.device, limit_s: float) -> dict:
+    """sp=1 heads at int32_tokens (q past 2^31 elements at the full size) on the kernel train.py
+    pins, forward and backward, the last rows against the fp32 reference; skipped if its estimate
+    at ATTN_TFLOPS would overrun."""
+    cfg, dtype, T = load_config(g.model), _dtype(dev), g.int32_tokens
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    out = {"tokens": T, "q_elements": T * nh * hd, "past_2_31": T * nh * hd > 2**31}
+    fwd = step_flops(cfg, T)["attention_fwd"] / cfg.num_hidden_layers
+    estimate = 3.5 * fwd / (ATTN_TFLOPS * 1e12)  # forward, and backward at 2.5 x its FLOPs
+    if dev.type == "cuda" and estimate > 0.8 * limit_s:
+        return {**out, "skipped": f"estimated {estimate:.0f} s, {limit_s:.0f} s allowed"}
+    name, t0 = bench_attention.pinned_backend(dev, dtype, nh, nkv, hd, T), time.perf_counter()
+    attend = functools.partial(attention, backend=name)
+    why = check_attention(attend, *training_layout(T, nh, nkv, hd, dtype, dev))
+    out.update(backend=name, agrees=why is None, reason=why)
+    return {**out, "time_s": time.perf_counter() - t0}
+
+
+def part_cpu_offload(g: Geometry, dev: torch.device, limit_s: float) -> dict:
+    """train.py --cpu-offload on this one device (fp32 state and fused AdamW on the host): its last
+    step's record."""
+    model, tokens, steps = g.offload_run
+    run = Path(tempfile.mkdtemp()) / "run"
+    args = f"--model {model} --data synthetic:copy --cpu-offload --seq-len {tokens} --steps {steps}"
+    cmd = [sys.executable, "train.py", *args.split(), "--no-save-final", "--out", str(run)]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit_s)
+    if p.returncode:
+        raise RuntimeError(f"train.py exit {p.returncode}: {p.stderr[-400:]}")
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    keys = ("step", "loss", "step_time_s", "peak_mem_gb", "reserved_mem_gb", "planned_peak_gb")
+    return {"model": model, "tokens": tokens, **{k: last[k] for k in keys}}
 
 
 def part_optimizer(g: Geometry, dev: torch.device, limit_s: float) -> dict:
@@ -207,7 +284,8 @@ def part_optimizer(g: Geometry, dev: torch.device, limit_s: float) -> dict:
 
 
 PARTS = {f.__name__.removeprefix("part_"): f for f in (part_loss, part_layers, part_attention)}
-PARTS.update(backends=part_backends, optimizer=part_optimizer)
+PARTS.update(backends=part_backends, optimizer=part_optimizer, int32=part_int32)
+PARTS.update(cpu_offload=part_cpu_offload)
 
 
 def _run_parts(names: list, g: Geometry, device: str, limit_s: float) -> dict:
@@ -230,6 +308,9 @@ def _run_parts(names: list, g: Geometry, device: str, limit_s: float) -> dict:
         if dev.type == "cuda":
             r["device"] = torch.cuda.get_device_name(dev)
             r["process_peak_gb"] = torch.cuda.max_memory_allocated(dev) / GB
+            r["process_reserved_gb"] = torch.cuda.max_memory_reserved(dev) / GB
+            free, total = torch.cuda.mem_get_info(dev)  # the device's, this process alone on it
+            r["cuda_context_gb"] = (total - free - torch.cuda.memory_reserved(dev)) / GB
         else:  # Linux ru_maxrss is in KiB: the whole process so far, torch included
             r["device"] = "cpu"
             r["process_peak_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from enum import Enum
 
+from model.attention import backward_workspace_bytes
 from model.config import Qwen3Config
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
 
@@ -36,6 +37,7 @@ class Buffer(str, Enum):
     # around a layer's backward
     LAYER_INPUT = "layer input, copied back from host"
     NEXT_INPUT = "next layer's input, prefetched from host"
+    NEXT_ATTENTION = "next layer's attention out and lse, prefetched with its input"
     ROPE = "RoPE cos and sin (shared by all layers)"
     OUTPUT_GRAD = "output gradient dy"
     MLP_TILE = "MLP tile: gate, up, act, product + grads of product, act, up"
@@ -49,6 +51,7 @@ class Buffer(str, Enum):
     ATTN_OUT_GRAD = "gradient of attention out [T, heads/sp, hd]"
     QKV_GRAD_AT_SDPA = "dq, dk, dv [T, heads/sp, hd]"
     FLASH_WORKSPACE = "FlashAttention fp32 dq accumulator and delta"
+    FLASH_GQA_GRADS = "FlashAttention dk, dv expanded to the query heads [T, heads/sp, hd]"
     QKV_GRAD = "dq, dk, dv [t, heads, hd]"
     LAYER_GRADS = "this layer's unsharded gradients so far"
     # FSDP2
@@ -142,6 +145,7 @@ def layer_backward_moments(
     compute_bytes: int = 2,
     device: str = "cuda",
     norm_chunk: int = RMSNORM_CHUNK_ELEMS,
+    attn_backend: str = "cudnn",
 ) -> dict[str, dict[Buffer, int]]:
     """The activation bytes of one recomputed decoder layer's backward at its four moments.
 
@@ -152,7 +156,9 @@ def layer_backward_moments(
         stays referenced), fp32 weight-gradient accumulators and a full input-gradient buffer;
       "post-attention norm backward": its input gradients and one row chunk of fp32 temporaries;
       "attention backward": SDPA's backward writes dq, dk, dv, with FlashAttention's fp32 dq
-        accumulator (a CUDA kernel's own workspace, invisible to a CPU meter);
+        accumulator (a CUDA kernel's own workspace, invisible to a CPU meter); attn_backend
+        "flash" with fewer kv heads than query heads at the kernel also expands dk and dv to the
+        query heads (two q-sized buffers in the compute dtype, summed into dk, dv at the end);
       "q/k norm backward": after SDPA and the exchanges, the q norm's fp32 temporaries for one row
         chunk (model/qwen3.py's _RMSNormFn: the normalised rows, the upcast gradient and two
         partial results of the last expression, live together at its final product).
@@ -185,11 +191,14 @@ def layer_backward_moments(
         Buffer.NORM_INPUT_GRAD: X,
         Buffer.NORM_TEMPORARIES: 4 * min(t * H, norm_chunk) * 4,
     }
+    cuda = device == "cuda"
+    expands = cuda and attn_backend == "flash" and nh > max(c.num_key_value_heads, sp)
     attn = {
         Buffer.RESIDUAL_GRAD: X,
         Buffer.ATTN_OUT_GRAD: Q,
         Buffer.QKV_GRAD_AT_SDPA: Q + 2 * K,
-        Buffer.FLASH_WORKSPACE: 2 * Q + t * nh * 4 if device == "cuda" else 0,
+        Buffer.FLASH_WORKSPACE: backward_workspace_bytes(t, nh, hd) if cuda else 0,
+        Buffer.FLASH_GQA_GRADS: 2 * Q if expands else 0,
     }
     qk = {
         Buffer.RESIDUAL_GRAD: X,

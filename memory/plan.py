@@ -25,12 +25,11 @@ rows on few GPUs can be larger. device="cuda" adds what a CUDA kernel allocates 
 (FlashAttention's fp32 dq accumulator); fused_norm=False models an RMSNorm left to autograd
 (transformers'), which also saves an fp32 copy of its input and the normalised bf16 tensor.
 
-Attention once (save_attention, model/checkpoint_offload.py's
-apply_offload(save_attention=True)): each layer's attention output [T, nh/sp, hd] and fp32
-log-sum-exp [nh/sp, T] are kept from the forward, so the recompute skips attention's forward
-(1.52e18 -> 1.20e18 FLOPs at 1M tokens). They go to the offload pool's pinned blocks for every
-layer but the last, whose input, output and log-sum-exp stay on the device for the loss moments
-(backward starts there: a copy would stall it).
+Attention once (save_attention, model/checkpoint_offload.py's apply_offload(save_attention=True)):
+each layer's attention output [T, nh/sp, hd] and fp32 log-sum-exp [nh/sp, T] are kept from the
+forward, so the recompute skips attention's forward (1.52e18 -> 1.20e18 FLOPs at 1M tokens). They go
+to the offload pool's pinned blocks for every layer but the last, whose input, output and
+log-sum-exp stay on the device for the loss moments (backward starts there: a copy would stall it).
 choose_save_attention turns it on when its plan fits host memory (and the GPU, if the other fits).
 
 CPU offload (cpu_offload, FSDP2's CPUOffloadPolicy): the fp32 parameter shards, gradient shards and
@@ -38,6 +37,10 @@ AdamW states live in host memory, the parameter and gradient shards pinned one b
 torch's host allocator (rounded up to a power of two). The GPU keeps one unit's fp32 shards on
 their way in and one unit's gradient shards on their way out; AdamW's CPU time is projected from
 the bytes it touches and an assumed host memory bandwidth (host_gbps).
+
+Kept free on the GPU besides the peak: the CUDA context and NCCL's buffers (CUDA_CONTEXT_GB,
+NCCL_GB_PER_COMMUNICATOR: projected, outside torch's allocator) and reserve_gb of allocator slack.
+With attn_backend="flash", its backward's GQA expansion of dk and dv is counted too.
 
 FLOPs count matrix products only (step_flops). Nothing is allocated: every size is arithmetic on
 the config. GB here means 1e9 bytes, GiB 2**30.
@@ -60,6 +63,20 @@ GB, GiB = 1e9, 2**30
 # addcmul_ 3, sqrt 2, div_ 2, add_ eps 2, addcdiv_ into the parameter 4 = 20; gradient clipping:
 # the norm reads the gradient (1), the scale reads and writes it (2). Each is a pass over memory.
 ADAMW_CPU_PASSES = 20 + 3
+
+# Device memory outside torch's caching allocator, which max_memory_allocated never counts; fits_gpu
+# keeps it free with reserve_gb (projected: only a GPU run shows the real figures).
+# A CUDA 12/13 context with lazy module loading plus the cuBLAS, cuDNN and NCCL kernels torch
+# loads: 0.5-1 GB per process in nvidia-smi on H100. bench/gpu_check.py measures it on one GPU
+# (backends part, cuda_context_gb: the device's used memory less torch's reserved memory).
+CUDA_CONTEXT_GB = 0.75
+# One NCCL communicator's buffers on 8 NVLink GPUs once it has run a collective: about 1.6 GB
+# (NVIDIA/nccl#864); linear in its channels and in the number of communicators (NVIDIA/nccl#986).
+# A step uses FSDP2's (all GPUs, the default group) and, with sp > 1, Ulysses' own group.
+NCCL_GB_PER_COMMUNICATOR = 1.6
+# Kernels index with 32-bit integers in places: an attention tensor past 2^31 elements (q, out and
+# their gradients hold T x heads/sp x head_dim each) runs where no test of theirs may have.
+INT32_ELEMENTS = 2**31
 
 
 # ---- parameters ------------------------------------------------------------------------------
@@ -188,7 +205,10 @@ class Options:
     cpu_offload: bool = False  # FSDP2's CPU offload of the fp32 state (see the module docstring)
     device: str = "cuda"  # "cuda": with kernel workspaces a CPU meter cannot see
     gpu_mem_gb: float = 80.0
-    reserve_gb: float = 2.0  # kept free: CUDA context, NCCL buffers, allocator slack
+    reserve_gb: float = 2.0  # kept free besides the CUDA context and NCCL: allocator slack
+    # the attention kernel: "flash" adds its backward's GQA expansion; "auto" (a dry run, before
+    # train.py's probe chooses) is planned as "cudnn", the kernel it prefers on H100/H200
+    attn_backend: str = "cudnn"
     host_mem_gb: float | None = None  # per node; None: no limit
     host_overhead_gb: float = 4.0  # host memory per GPU process besides the pool (torch, CUDA)
     tflops: float = 989.0  # dense bf16 TFLOP/s per GPU (H100 SXM)
@@ -365,8 +385,28 @@ class Plan:
         return c.num_hidden_layers * self.seq_len * c.hidden_size * self.options.compute_bytes
 
     @property
+    def communicators(self) -> int:
+        """NCCL communicators a step uses: FSDP2's over all GPUs, and Ulysses' own with sp > 1."""
+        return int(self.layout.gpus > 1) + int(self.layout.sp > 1)
+
+    @property
+    def outside_allocator(self) -> int:
+        """Device bytes torch's allocator never sees: the CUDA context and NCCL's buffers."""
+        if self.options.device != "cuda":
+            return 0
+        return int((CUDA_CONTEXT_GB + self.communicators * NCCL_GB_PER_COMMUNICATOR) * GB)
+
+    @property
+    def attention_elements(self) -> int:
+        """Elements of the largest attention tensor on one GPU: q [T, heads/sp, head_dim] (out,
+        dq and flash's fp32 dq accumulator hold as many)."""
+        c = self.config
+        return self.tokens_per_gpu * c.num_attention_heads * c.head_dim
+
+    @property
     def fits_gpu(self) -> bool:
-        return self.total + self.options.reserve_gb * GB <= self.options.gpu_mem_gb * GB
+        kept_free = self.outside_allocator + self.options.reserve_gb * GB
+        return self.total + kept_free <= self.options.gpu_mem_gb * GB
 
     @property
     def fits_host(self) -> bool:
@@ -510,11 +550,17 @@ def _step_moments(
         compute_bytes=o.compute_bytes,
         device=o.device,
         norm_chunk=o.norm_chunk,
+        attn_backend=o.attn_backend,
     )
+    # the pool fetches the layer before's input (and with attention once its out and lse) one
+    # layer ahead; layer 0 comes last in backward: nothing is left to fetch
+    kept = (x.attn_out if x.out_moved else 0) + (x.attn_lse if x.lse_moved else 0)
+    ahead = {Buffer.NEXT_ATTENTION: kept}
     for i in sorted({L - 1, min(1, L - 1), 0}, reverse=True):
         gathered, fsdp = _fsdp_at_layer(c, o, u, i)
+        fetched = ahead if i > 0 else {Buffer.NEXT_INPUT: 0, Buffer.NEXT_ATTENTION: 0}
         for name, act in backward.items():
-            working = {k: v for k, v in {**act, **fsdp}.items() if v}
+            working = {k: v for k, v in {**act, **fetched, **fsdp}.items() if v}
             moments.append(Moment(name, i, dict(gathered), working))
     return tuple(moments)
 
@@ -679,6 +725,7 @@ def _run_options(
         model=cfg.model,
         device=device,
         cpu_offload=bool(getattr(cfg, "cpu_offload", False)),
+        attn_backend=getattr(cfg, "attn_backend", "auto"),
     )
 
 
@@ -702,9 +749,10 @@ def max_seq_len(
 ) -> int:
     """The longest sequence, a multiple of `multiple` (default 1024 x sp), whose plan fits.
 
-    Fits means GPU peak + reserve <= gpu_mem_gb and, when host_mem_gb is given, the host memory
-    per node too. Returns 0 when not even one multiple fits. options: plan()'s keywords, e.g.
-    save_attention=True (attention once: the pinned host memory per token roughly doubles).
+    Fits means GPU peak + CUDA context + NCCL + reserve <= gpu_mem_gb and, when host_mem_gb is
+    given, the host memory per node too. Returns 0 when not even one multiple fits. options:
+    plan()'s keywords, e.g. save_attention=True (attention once: the pinned host memory per token
+    roughly doubles).
     """
     step = multiple or 1024 * sp
     if step % sp:

@@ -206,31 +206,40 @@ class StepRehearsal:
 
 
 # ---- what only a GPU has -----------------------------------------------------------------------
-# Per GPU, on top of the live tensors the meter counts. None of these was measured here: each
-# is projected from the source named next to it, until bench/gpu_check.py measures it.
-CUDA_CONTEXT_BYTES = int(0.6e9)  # CUDA 12 context with lazy module loading: 0.5-0.6 GB typical
-NCCL_BYTES_PER_PEER = 2 * 4 * 2**20 * 8  # NCCL_BUFFSIZE 4 MiB, send + receive, ~8 channels (NVLink)
-CUBLAS_WORKSPACE_BYTES = 32 * 2**20  # torch's cuBLAS(Lt) workspace on Hopper, per stream
+def gpu_only_terms(cuda_plan) -> list[tuple[str, int, str]]:
+    """(name, bytes, source) of the GPU memory a CPU rehearsal cannot see, per GPU, from the
+    planner's GPU plan of the same run (memory/plan.py holds each figure and its source; all are
+    projected until bench/gpu_check.py measures them). The attention kernel's workspace is live
+    only in attention's backward; adding it to the peak is the upper bound."""
+    from memory.buffers import Buffer
+    from memory.plan import CUDA_CONTEXT_GB, GB, NCCL_GB_PER_COMMUNICATOR
 
+    def largest(buffer) -> int:  # over the step's moments: each buffer is live in one of them
+        return max(m.working.get(buffer, 0) for m in cuda_plan.moments)
 
-def gpu_only_terms(attention_workspace_bytes: int, world: int) -> list[tuple[str, int, str]]:
-    """(name, bytes, source) of the GPU memory a CPU rehearsal cannot see, per GPU."""
-    peers = max(world - 1, 0)
-    return [
+    terms = [
         (
             "attention backward workspace (fp32 dq accumulator and softmax delta)",
-            attention_workspace_bytes,
-            "FlashAttention-2's backward allocates dq_accum as fp32 [B, T, heads, head_dim] "
-            "(flash_api.cpp); cuDNN's backward is taken as the same",
+            largest(Buffer.FLASH_WORKSPACE),
+            "FlashAttention-2's backward allocates dq as fp32 [B, T, heads, head_dim]; cuDNN's "
+            "is taken as the same",
         ),
-        ("CUDA context", CUDA_CONTEXT_BYTES, "CUDA 12 with lazy loading; projected"),
+        ("CUDA context", int(CUDA_CONTEXT_GB * GB), "memory/plan.py CUDA_CONTEXT_GB; projected"),
         (
-            f"NCCL buffers ({peers} peers)",
-            NCCL_BYTES_PER_PEER * peers,
-            "NCCL_BUFFSIZE default 4 MiB per channel, send and receive; projected",
+            f"NCCL buffers ({cuda_plan.communicators} communicators)",
+            int(cuda_plan.communicators * NCCL_GB_PER_COMMUNICATOR * GB),
+            "memory/plan.py NCCL_GB_PER_COMMUNICATOR; projected",
         ),
-        ("cuBLAS workspace", CUBLAS_WORKSPACE_BYTES, "torch's default on sm90; projected"),
     ]
+    if largest(Buffer.FLASH_GQA_GRADS):
+        terms.append(
+            (
+                "flash's dk, dv expanded to the query heads",
+                largest(Buffer.FLASH_GQA_GRADS),
+                "FlashAttention-2's GQA backward",
+            )
+        )
+    return terms
 
 
 def summarize(steps, cpu_plan, flops_planned: float, gpu_terms) -> tuple[list[str], dict]:

@@ -25,7 +25,10 @@ from dataclasses import asdict, replace
 
 from memory.plan import (
     ADAMW_CPU_PASSES,
+    CUDA_CONTEXT_GB,
     GB,
+    INT32_ELEMENTS,
+    NCCL_GB_PER_COMMUNICATOR,
     GiB,
     Moment,
     Plan,
@@ -86,9 +89,12 @@ def plan_to_dict(p: Plan, *, longest: bool = False, rates: Rates | None = None) 
         "tokens_per_gpu": p.tokens_per_gpu,
         "gathered_params": p.gathered_params,
         "naive_saved_inputs": p.naive_saved_inputs,
+        "outside_allocator": p.outside_allocator,
+        "attention_elements": p.attention_elements,
         "fits_gpu": p.fits_gpu,
         "fits_host": p.fits_host,
         "fits": p.fits,
+        "warnings": plan_warnings(p),
         "num_params": p.config.num_params(),
         "public_recipe": dict(PUBLIC_RECIPE),
     }
@@ -114,6 +120,31 @@ def plan_to_dict(p: Plan, *, longest: bool = False, rates: Rates | None = None) 
             str(v).lower(): _longest(p, save_attention=v) for v in (True, False)
         }
     return d
+
+
+# ---- warnings -------------------------------------------------------------------------------
+def plan_warnings(p: Plan) -> list[str]:
+    """What the plan cannot vouch for: attention tensors past 2^31 elements, and (a plan made
+    before train.py's probe chose the kernel) what flash would add if cuDNN fails its probe."""
+    c, o, out = p.config, p.options, []
+    if p.attention_elements > INT32_ELEMENTS:
+        heads = c.num_attention_heads // p.layout.sp
+        out.append(
+            f"attention tensors hold {p.attention_elements:,} elements per GPU (q, out and their "
+            f"gradients: {p.seq_len:,} tokens x {heads} heads x {c.head_dim}), past 2^31: "
+            f"unverified on GPU (kernels index with 32 bits in places; bench/gpu_check.py's "
+            f"int32 part checks one such length)"
+        )
+    if o.attn_backend == "auto" and o.device == "cuda":
+        flash = _replan(p, p.seq_len, attn_backend="flash")
+        if flash.total > p.total:
+            fits = "fits" if flash.fits_gpu else "DOES NOT FIT"
+            out.append(
+                f"planned with cuDNN attention; should it fail train.py's probe, flash's backward "
+                f"expands dk, dv to the query heads: +{(flash.total - p.total) / GB:.2f} GB per "
+                f"GPU, peak {flash.total / GB:.2f} GB ({fits})"
+            )
+    return out
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -184,10 +215,17 @@ def _format_gpu(p: Plan) -> list[str]:
             f"(layer {layer.bytes / GB:.2f} | loss {loss.bytes / GB:.2f})",
         ),
         _row(
-            f"GPU memory, less {o.reserve_gb:g} GB reserve",
-            (o.gpu_mem_gb - o.reserve_gb) * GB,
+            "CUDA context + NCCL buffers (outside torch)",
+            p.outside_allocator,
+            f"(projected: {CUDA_CONTEXT_GB:g} GB + {p.communicators} communicators x "
+            f"{NCCL_GB_PER_COMMUNICATOR:g} GB)",
+        ),
+        _row(
+            f"GPU memory, less that and {o.reserve_gb:g} GB reserve",
+            (o.gpu_mem_gb - o.reserve_gb) * GB - p.outside_allocator,
             fits,
         ),
+        *(f"  warning: {w}" for w in plan_warnings(p)),
     ]
 
 
@@ -516,7 +554,13 @@ def _parser() -> argparse.ArgumentParser:
         "--reserve-gb",
         type=float,
         default=2.0,
-        help="kept free: CUDA context, NCCL buffers, allocator slack",
+        help="allocator slack kept free (the CUDA context and NCCL's buffers are counted apart)",
+    )
+    ap.add_argument(
+        "--attn-backend",
+        default="auto",
+        choices=("auto", "cudnn", "flash"),
+        help="attention kernel planned; auto: cudnn, with a warning of what flash would add",
     )
     ap.add_argument(
         "--host-mem-gb",
@@ -593,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
             model=name,
             cpu_offload=a.cpu_offload,
             host_gbps=a.host_gbps,
+            attn_backend=a.attn_backend,
         )
         save, why = save_attention_choice(config, a.seq_len, a.save_attention, **kw)
         p = plan(config, a.seq_len, save_attention=save, save_attention_why=why, **kw)

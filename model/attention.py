@@ -1,24 +1,26 @@
 """Causal attention on one pinned kernel, with its log-sum-exp, computed once per layer per step.
 
-    backend = pick_backend(device, torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
-    set_backend(backend)       # every attention() call now runs this kernel
-    out = attention(q, k, v)   # q [B, T, nh, hd], k, v [B, T, nkv, hd] -> [B, T, nh, hd]
+    choice = pick_backend(device, torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
+    set_backend(choice.name)                  # every attention() call now runs this kernel
+    out = attention(q, k, v)                  # q [B, T, nh, hd], k, v [B, T, nkv, hd] -> like q
 
 Backends (`pick_backend` chooses, `BACKENDS` describes):
   cudnn      aten._scaled_dot_product_cudnn_attention: SDPA's own first choice on H100/H200 with
-             cuDNN > 9.15 (public measurements: near 2x the flash kernel there); grouped kv heads
+             cuDNN > 9.15.0 (public measurements: near 2x the flash kernel there); grouped kv heads
              natively where torch's checks allow them, else flash is chosen.
-  flash      aten._scaled_dot_product_flash_attention (FlashAttention-2): GQA natively; its
-             backward keeps an fp32 dq accumulator and expands dk, dv to the query heads
-             internally.
-  cpu_flash  aten._scaled_dot_product_flash_attention_for_cpu: what SDPA runs on CPU
-             (bit-identical).
+  flash      aten._scaled_dot_product_flash_attention (FlashAttention-2): GQA natively; its backward
+             keeps an fp32 dq accumulator and expands dk, dv to the query heads internally.
+  cpu_flash  aten._scaled_dot_product_flash_attention_for_cpu: what SDPA runs on CPU (bit-equal).
   math       explicit fp32 softmax, O(T^2) memory: CPU, or CUDA at <= MATH_MAX_TOKENS only.
-  sdpa       F.scaled_dot_product_attention, torch picks per call; no log-sum-exp, so no
-             attention-once.
-Every backend except sdpa is a forward returning (out, lse) and a backward taking
-(q, k, v, out, lse): the pair that lets backward skip attention's forward. Each op takes fewer kv
-heads than query heads (query heads g*r .. g*r+g-1 share kv head r), so kv is never expanded here.
+  sdpa       F.scaled_dot_product_attention, torch's pick per call: no lse, so no attention once.
+Every backend but sdpa is a forward returning (out, lse) and a backward taking (q, k, v, out, lse):
+the pair that lets backward skip attention's forward. Each op takes fewer kv heads than query heads
+(query heads g*r .. g*r+g-1 share kv head r), so kv is never expanded here.
+
+Choosing: torch's own checks on tiny tensors say which kernels accept these heads, dtype and
+head_dim; torch's preference rule (cudnn_gate) says whether cuDNN is first; a probe, where given
+(train.py passes model/attention_probe.py's probe_kernel on CUDA), runs each candidate once at
+the real layout and length and passes over one that fails, naming why.
 
 Attention once. Whole-layer checkpointing runs a layer's forward twice: in forward, and again in
 backward to rebuild what the layer saved. At a million tokens attention is ~96% of a layer's FLOPs,
@@ -36,19 +38,24 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
     "BACKENDS",
+    "CUDNN_PREFERRED_ABOVE",
     "MATH_MAX_TOKENS",
     "AttentionStore",
+    "BackendChoice",
     "attention",
+    "cudnn_gate",
     "get_backend",
     "pick_backend",
     "saved_attention_bytes",
     "set_backend",
+    "torch_cudnn_gate",
 ]
 
 BACKENDS = {
@@ -59,6 +66,10 @@ BACKENDS = {
     "sdpa": "torch's per-call SDPA choice (no attention-once)",
 }
 MATH_MAX_TOKENS = 8192  # [heads, T, T] fp32 scores: 1 GiB per 4 heads at 8192 tokens
+# torch prefers cuDNN attention only above cuDNN 9.15.0: 9.15.1 fixed reads out of bounds at
+# lengths not a multiple of 128 (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
+# check_prefer_cudnn_attention; cuDNN versions read as major*10000 + minor*100 + patch)
+CUDNN_PREFERRED_ABOVE = 91500
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,8 +78,7 @@ MATH_MAX_TOKENS = 8192  # [heads, T, T] fp32 scores: 1 GiB per 4 heads at 8192 t
 def _torch_can_use(
     name: str, device: torch.device, dtype: torch.dtype, nh: int, nkv: int, hd: int
 ) -> bool:
-    """Ask torch whether `name` runs these head counts, on tiny probe tensors (with grad) on
-    `device`."""
+    """Ask torch whether `name` runs these head counts, on tiny tensors (with grad) on `device`."""
     if name == "math":
         return dtype.is_floating_point
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -96,6 +106,51 @@ def _torch_can_use(
     return False
 
 
+def _version(v: int | None) -> str:
+    return "none" if not v else f"{v // 10000}.{v // 100 % 100}.{v % 100}"
+
+
+def cudnn_gate(
+    cudnn_version: int | None, capability: tuple[int, int], cuda_version: str | None
+) -> str | None:
+    """Why torch would not put cuDNN attention first on this GPU (None: it would).
+
+    torch's rule: cuDNN above 9.15.0, on sm90 or sm100 (Hopper, Blackwell datacenter); with CUDA
+    before 13 only on minor 0 or 3 of those. cudnn_version as torch.backends.cudnn.version()
+    gives it, capability as torch.cuda.get_device_capability(), cuda_version as torch.version.cuda.
+    """
+    if not cudnn_version or cudnn_version <= CUDNN_PREFERRED_ABOVE:
+        return (
+            f"cuDNN {_version(cudnn_version)}: torch prefers cuDNN attention only above 9.15.0 "
+            f"(9.15.1 fixed lengths not a multiple of 128)"
+        )
+    major, minor = capability
+    cuda_major = int(cuda_version.split(".")[0]) if cuda_version else 0
+    if major not in (9, 10) or (cuda_major < 13 and minor not in (0, 3)):
+        return f"sm{major}{minor}, CUDA {cuda_version}: torch prefers cuDNN attention on sm90/sm100"
+    return None
+
+
+def torch_cudnn_gate(name: str, device: torch.device, *shape) -> str | None:
+    """A probe (see pick_backend) that runs nothing: cudnn_gate on `device` for "cudnn"."""
+    if name != "cudnn":
+        return None
+    cap = torch.cuda.get_device_capability(device)
+    return cudnn_gate(torch.backends.cudnn.version(), cap, torch.version.cuda)
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """pick_backend's answer: the backend, and why each one tried before it was passed over."""
+
+    name: str
+    passed_over: tuple[str, ...] = ()  # "cudnn: <reason>", in the order tried
+
+    @property
+    def why(self) -> str:
+        return "; ".join(self.passed_over)
+
+
 def pick_backend(
     device,
     dtype: torch.dtype,
@@ -106,14 +161,17 @@ def pick_backend(
     seq_len: int | None = None,
     request: str = "auto",
     can_use=None,
-) -> str:
+    probe=None,
+) -> BackendChoice:
     """The attention backend for these shapes: "cudnn" else "flash" on CUDA, "cpu_flash" on CPU.
 
     The math fallback is taken only on CPU or, on CUDA, when seq_len <= MATH_MAX_TOKENS (tests,
     smoke runs); at training lengths a CUDA run with neither fused kernel is refused, never slowed
     down silently. request: "auto" or a name in BACKENDS, which must then be able to run.
     can_use(name, device, dtype, num_heads, num_kv_heads, head_dim) -> bool replaces torch's checks
-    (tests inject it to exercise the CUDA rules on CPU).
+    (tests inject it to exercise the CUDA rules on CPU). probe(name, device, dtype, num_heads,
+    num_kv_heads, head_dim) -> None, or why `name` must not be used here: called for each
+    candidate torch's checks accept (None: no probe, no preference rule).
     """
     device = torch.device(device)
     can_use = can_use or _torch_can_use
@@ -121,12 +179,13 @@ def pick_backend(
         f"{dtype} with {num_heads} query / {num_kv_heads} kv heads of dim {head_dim} on {device} "
         f"(torch {torch.__version__})"
     )
+    shape = (device, dtype, num_heads, num_kv_heads, head_dim)
     if request not in ("auto", *BACKENDS):
         raise ValueError(
             f"attention backend {request!r} is unknown; pick one of auto, {', '.join(BACKENDS)}"
         )
     if request == "sdpa":
-        return "sdpa"
+        return BackendChoice("sdpa")
     if request != "auto":
         if (
             request in ("cudnn", "flash")
@@ -138,22 +197,31 @@ def pick_backend(
                 f"attention backend {request!r} does not run on {device.type}; "
                 f"use --attn-backend auto"
             )
-        if not can_use(request, device, dtype, num_heads, num_kv_heads, head_dim):
+        if not can_use(request, *shape):
             raise ValueError(
                 f"attention backend {request!r} cannot run {what}; use --attn-backend auto"
             )
-        return request
-    order = ("cudnn", "flash") if device.type == "cuda" else ("cpu_flash",)
-    for name in order:
-        if can_use(name, device, dtype, num_heads, num_kv_heads, head_dim):
-            return name
+        reason = probe(request, *shape) if probe else None
+        if reason:
+            raise ValueError(
+                f"attention backend {request!r} failed its probe on {what}: {reason}; "
+                f"use --attn-backend auto"
+            )
+        return BackendChoice(request)
+    passed = []
+    for name in ("cudnn", "flash") if device.type == "cuda" else ("cpu_flash",):
+        reason = None if can_use(name, *shape) else "torch's checks refuse these shapes"
+        reason = reason or (probe(name, *shape) if probe else None)
+        if reason is None:
+            return BackendChoice(name, tuple(passed))
+        passed.append(f"{name}: {reason}")
     if device.type == "cpu" or (seq_len is not None and seq_len <= MATH_MAX_TOKENS):
-        return "math"
+        return BackendChoice("math", tuple(passed))
     raise ValueError(
-        f"attention: neither cuDNN nor flash attention can run {what}, and the math fallback "
-        f"(O(T^2) memory) stops at {MATH_MAX_TOKENS} tokens; train in bfloat16 with head_dim a "
-        f"multiple of 8 (<= 256) on an sm80+ GPU, or pick --attn-backend sdpa "
-        f"(torch's choice, no attention-once)"
+        f"attention: neither cuDNN nor flash attention can run {what} ({'; '.join(passed)}), "
+        f"and the math fallback (O(T^2) memory) stops at {MATH_MAX_TOKENS} tokens; train in "
+        f"bfloat16 with head_dim a multiple of 8 (<= 256) on an sm80+ GPU, or pick "
+        f"--attn-backend sdpa (torch's choice, no attention-once)"
     )
 
 
@@ -178,14 +246,15 @@ def get_backend() -> str | None:
 def _auto_backend(
     device: torch.device, dtype, nh: int, nkv: int, hd: int, short: bool, flags
 ) -> str:
-    return pick_backend(
-        device, dtype, num_heads=nh, num_kv_heads=nkv, head_dim=hd, seq_len=1 if short else None
-    )
+    seq_len = 1 if short else None
+    kw = dict(num_heads=nh, num_kv_heads=nkv, head_dim=hd, seq_len=seq_len)
+    probe = torch_cudnn_gate if device.type == "cuda" else None  # torch's rule, nothing run
+    return pick_backend(device, dtype, **kw, probe=probe).name
 
 
 def _sdp_flags() -> tuple:
-    """torch's SDPA switches (set by torch.nn.attention.sdpa_kernel): the automatic choice follows
-    them."""
+    """torch's SDPA switches (set by torch.nn.attention.sdpa_kernel), which the automatic choice
+    follows."""
     b = torch.backends.cuda
     return b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.math_sdp_enabled()
 
@@ -326,8 +395,7 @@ class AttentionStore:
         return self.runs > 1
 
     def run(self, body, *args, **kwargs):
-        """Run `body` with this store active: as the forward the first time, as a recompute
-        after."""
+        """Run `body` with this store active: the forward the first time, a recompute after."""
         global _ACTIVE
         self.runs += 1
         self.i = 0

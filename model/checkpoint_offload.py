@@ -31,6 +31,8 @@ already keeps nothing of a layer but its inputs, on the host. What each addition
     recomputes.
   * attention once (save_attention=True): attention's (out, lse) go to the host too, so the
     recompute skips attention's forward (~96% of a layer's FLOPs at a million tokens).
+  * a tiled MLP (tile_mlp) skips its tile loop in the recompute: only its saved input is needed
+    there (model/tiled_mlp.py's output_unused): 11 MLP GEMMs per layer a step instead of 14.
 Why not torch's selective activation checkpointing (SAC) for attention: SAC decides per op
 whether to save or recompute, so it can save attention's outputs, but it keeps what it saves as
 device tensors in its own cache, not through saved-tensor hooks: no save_on_cpu or pool around
@@ -62,14 +64,15 @@ backward, after FSDP2's pre-backward hook has gathered the parameters again. A r
 
 Attention once: each layer call runs its body through a fresh model.attention.AttentionStore,
 whose attention() calls keep (out, lse) in the forward, as host copies from the pool, and hand
-them back in the recompute instead of running the kernel again. The pool's backward order puts
-them after the layer's input, so each one's copy back starts when the one before is unpacked.
-The last layer keeps its input and attention on the device (backward starts with it, so a copy
-there would stall), and its recompute starts the copy back of the layer before it.
+them back in the recompute instead of running the kernel again. The pool keeps them in one group
+with the layer's input, so the three copies back start together, one layer ahead: when the layer
+after it (in forward order) begins its recompute. The last layer keeps its input and attention
+on the device (backward starts with it, so a copy there would stall), and its recompute starts
+the copies back of the layer before it.
 
-Device memory in backward: the recomputed layer's activations, its input, and the next input
-being prefetched (one layer input more than plain checkpointing holds at that moment, and none of
-the other layers' inputs).
+Device memory in backward: the recomputed layer's activations, its input, and the next layer's
+input (with attention once, also its out and lse) being prefetched: one layer's kept tensors
+more than plain checkpointing holds at that moment, and none of the other layers'.
 
 Not covered: torch.compile of wrapped layers, CUDA graphs, layers that draw random numbers
 (pass preserve_rng_state=True). With a frozen embedding, layer 0's input needs no grad and so
@@ -116,6 +119,21 @@ def _keep_on_host(pool: HostPool, t: torch.Tensor):
     return t if h is alias else h  # below min_bytes: kept here, as it was
 
 
+class _Runs:
+    """One layer call's body: its first run is the forward, later runs are checkpoint's recomputes,
+    which run inside `recompute_context` (a tiled MLP's output_unused)."""
+
+    def __init__(self, body, recompute_context):
+        self.body, self.recompute_context, self.runs = body, recompute_context, 0
+
+    def __call__(self, *args, **kwargs):
+        self.runs += 1
+        if self.runs == 1:
+            return self.body(*args, **kwargs)
+        with self.recompute_context():
+            return self.body(*args, **kwargs)
+
+
 class _OffloadedForward:
     """Installed as `layer.forward`: checkpoint the original forward, offloading its inputs.
 
@@ -123,8 +141,8 @@ class _OffloadedForward:
     (out, lse) are kept from the forward (on the host, through the pool, when offloading) and the
     recompute skips attention's forward. last: the last layer keeps everything on the device
     (backward starts with it, so a copy there would stall), and its recompute starts the copy
-    back of the layer before it. tiled_mlp: offload_layer tiled the layer's MLP, and
-    remove_offload undoes it.
+    back of the layer before it. tiled_mlp: offload_layer tiled the layer's MLP (its recompute
+    skips the tile loop), and remove_offload undoes it.
     """
 
     def __init__(
@@ -140,11 +158,15 @@ class _OffloadedForward:
         self.body = self.own or types.MethodType(type(layer).forward, layer)
         self.pool, self.preserve_rng_state = pool, preserve_rng_state
         self.last, self.tiled_mlp = last, tiled_mlp
-        self.new_store = None
+        self.new_store = self.recompute_context = None
         if save_attention:  # our attention kernel's store (model/attention.py)
             from model.attention import AttentionStore
 
             self.new_store = AttentionStore
+        if tiled_mlp:
+            from model.tiled_mlp import output_unused
+
+            self.recompute_context = output_unused
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
@@ -158,6 +180,8 @@ class _OffloadedForward:
             elif pool is not None:
                 store.keep, store.fetch = functools.partial(_keep_on_host, pool), pool.unpack
             body = functools.partial(store.run, body)
+        if self.recompute_context is not None:
+            body = _Runs(body, self.recompute_context)
         if pool is None:
             return _checkpoint(body, args, kwargs, self.preserve_rng_state)
         with pool.layer() as moved:

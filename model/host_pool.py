@@ -22,13 +22,13 @@ What moves (pack, in forward): a plain tensor that needs grad, is not empty and 
 tables that need no grad (RoPE cos/sin) are never copied; parameters and tensor subclasses
 (DTensor) never move. unpack (in backward) copies it back to its device.
 
-Backward order: a plain list of the tensors held, in the order backward will ask for them. Each
-`pool.layer()` call's tensors go to its front, in the order they were packed (a layer's input,
-then what its body kept: attention's out and lse), since backward meets layers last to first
-and, inside one layer, its input first. When backward unpacks one tensor, the copy back of the
-next one in the list starts, so it runs while this one's layer recomputes. The list holds weak
-references: a tensor whose graph died (after its backward, or a graph dropped without one) gives
-its blocks back and falls out of the list.
+Backward order: a list of groups, one per `pool.layer()` call (a layer's input, then what its
+body kept: attention's out and lse), in the order backward will ask for them: each call's group
+goes to the front, since backward meets layers last to first. When backward unpacks a tensor of
+one group, the copies back of the rest of that group and of the whole next group start together,
+so a layer's three tensors come back while the layer after it (in forward order) recomputes, and
+none waits for the one before it. The groups hold weak references: a tensor whose graph died
+(after its backward, or a graph dropped without one) gives its blocks back and falls out.
 
 Host memory layout: fixed-size blocks, keyed by block size, shared by all tensors and steps. A
 tensor of n bytes takes ceil(n / b) blocks of b = host_block_bytes(n) (a power of two near n/64,
@@ -141,6 +141,7 @@ class _HostCopy:
         "device",
         "event",
         "ready",
+        "unpacked",
         "__weakref__",
     )
 
@@ -149,6 +150,7 @@ class _HostCopy:
         self.nbytes, self.shape, self.dtype, self.device = _nbytes(t), t.shape, t.dtype, t.device
         self.event = None  # CUDA: event of the last copy touching the blocks (D2H, later H2D)
         self.ready = None  # (device tensor, event, stream it was allocated on) once fetched
+        self.unpacked = False  # handed to backward once: a prefetch of its group skips it
 
     def __del__(self):
         # Its backward is done (or its graph was dropped): the blocks go back.
@@ -172,7 +174,7 @@ class HostPool:
         self._free: dict[tuple, list] = {}  # (block bytes, pinned) -> [(block, last-use event)]
         self._streams: dict[int, tuple] = {}  # cuda device index -> (d2h stream, h2d stream)
         self._pending: list = []  # (event, device tensor) of D2H copies in flight
-        self._order: list = []  # weakrefs to the handles, in the order backward needs them
+        self._order: list = []  # groups of weakrefs to handles, in the order backward needs them
         self._group: list | None = None  # what the current layer() call packed, in order
         self._closed = False
         self._step = PoolStats()
@@ -364,10 +366,11 @@ class HostPool:
         if packed.ready is None:
             self._fetch(packed)
         out, ev, _ = packed.ready
-        packed.ready = None
+        packed.ready, packed.unpacked = None, True
         if ev is not None:
             torch.cuda.current_stream(packed.device).wait_event(ev)
-        self._prefetch(self._after(packed))
+        for group in self._this_and_next(packed):
+            self._prefetch_group(group)
         return out
 
     def prefetcher(self) -> Callable[[], None]:
@@ -375,28 +378,30 @@ class HostPool:
 
         For a layer that keeps its own tensors on the device and is recomputed just before the
         pool's newest group (the last layer under attention once): its recompute calls this, so
-        the layer before it finds its input on the way. Holds the tensor weakly.
+        the layer before it finds its tensors on the way. Holds them weakly.
         """
-        ref = self._order[0] if self._order else None
-        return functools.partial(self._prefetch_ref, ref)
+        group = self._order[0] if self._order else []
+        return functools.partial(self._prefetch_group, group)
 
     # ---- backward order and copies back ------------------------------------------------------
     def _put_first(self, group: list) -> None:
         """Put one call's handles at the front of backward order; drop the ones that died."""
-        self._order = [*group, *(r for r in self._order if r() is not None)]
+        live = ([r for r in g if r() is not None] for g in [group, *self._order])
+        self._order = [g for g in live if g]
 
-    def _after(self, h: _HostCopy) -> _HostCopy | None:
-        """The handle backward needs after h (None: h is the last, or what follows is gone)."""
-        for i, ref in enumerate(self._order):
-            if ref() is h:
-                return self._order[i + 1]() if i + 1 < len(self._order) else None
-        return None
+    def _this_and_next(self, h: _HostCopy) -> list:
+        """h's group and the group backward needs after it (fewer at the end, or if h is gone)."""
+        for i, group in enumerate(self._order):
+            if any(ref() is h for ref in group):
+                return self._order[i : i + 2]
+        return []
 
-    def _prefetch_ref(self, ref) -> None:
-        self._prefetch(ref() if ref is not None else None)
+    def _prefetch_group(self, group: list) -> None:
+        for ref in group:
+            self._prefetch(ref())
 
     def _prefetch(self, h: _HostCopy | None) -> None:
-        if h is not None and h.ready is None:
+        if h is not None and h.ready is None and not h.unpacked:
             self._fetch(h)
             self._step.prefetched += 1
 

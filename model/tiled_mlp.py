@@ -13,10 +13,20 @@ saves only its input (and weights); backward replays each tile with grad and acc
 and weight gradients (weights in fp32, so bf16 rounding does not pile up over tiles).
 Intermediates are [tile, intermediate] instead of [tokens, intermediate] (4 x 3.2 GB -> 4 x 0.4 GB
 at 131,072 tokens and tile 16,384). The price: the replay computes the gate and up projections
-once more, 14 MLP GEMMs instead of 12 under checkpointing (under 1% of a 1M-token step, where
-attention dominates). Weights are Function inputs, so autograd delivers their grads to whatever
-parameters the MLP holds (FSDP2's unsharded ones included); autocast, if on, is replayed in
-backward as it was in forward.
+once more, 14 MLP GEMMs instead of 12 under checkpointing (11 where the recompute skips its
+tiles, below; under 1% of a 1M-token step either way, where attention dominates). Weights are
+Function inputs, so autograd delivers their grads to whatever parameters the MLP holds (FSDP2's
+unsharded ones included); autocast, if on, is replayed in backward as it was in forward.
+
+In a checkpoint's recompute only what the MLP saves is needed (its input; the weights are
+parameters), and the layer's recomputed output is thrown away: inside `output_unused()` the
+forward saves its input and skips the tile loop, returning zeros (model/checkpoint_offload.py
+enters it around every recompute of a layer whose MLP it tiled). That holds for a layer that
+saves nothing computed from the MLP's output, as a pre-norm decoder layer does (its residual add
+saves nothing).
+
+    with output_unused():                              # a recompute: no tiles run
+        y = layer.mlp(x)                               # zeros; x saved for the backward
 
 set_mlp_tiling works on any module holding the three projections as bias-free nn.Linear
 submodules (gate_proj, up_proj, down_proj by default: Qwen3, Llama, transformers' MLPs) whose
@@ -26,11 +36,27 @@ hooks are unchanged.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["set_mlp_tiling", "tiled_mlp"]
+__all__ = ["output_unused", "set_mlp_tiling", "tiled_mlp"]
+
+_OUTPUT_UNUSED = False  # inside output_unused(): the tile loop is skipped
+
+
+@contextlib.contextmanager
+def output_unused():
+    """Tiled MLPs called inside save their input and return zeros without running their tiles:
+    for a checkpoint's recompute, which needs only what backward saved (module docstring)."""
+    global _OUTPUT_UNUSED
+    before, _OUTPUT_UNUSED = _OUTPUT_UNUSED, True
+    try:
+        yield
+    finally:
+        _OUTPUT_UNUSED = before
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -44,6 +70,9 @@ class _TiledMLP(torch.autograd.Function):
         ctx.tile = tile
         ctx.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
         ctx.save_for_backward(x, w_gate, w_up, w_down)
+        if _OUTPUT_UNUSED:  # a recompute: the output is thrown away, only x had to be saved
+            dtype = ctx.autocast[1] if ctx.autocast[2] else x.dtype  # what the tiles would give
+            return x.new_zeros(*x.shape[:-1], w_down.shape[0], dtype=dtype)
         x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
         out = None
         for s in range(0, x2.shape[0], tile):  # grad is off inside Function.forward

@@ -8,6 +8,7 @@ for "once".
 
 import copy
 import gc
+import re
 from dataclasses import replace
 
 import pytest
@@ -17,7 +18,20 @@ from dist_utils import run_distributed
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from model.attention import MATH_MAX_TOKENS, AttentionStore, attention, pick_backend, set_backend
+from model.attention import (
+    MATH_MAX_TOKENS,
+    AttentionStore,
+    attention,
+    cudnn_gate,
+    pick_backend,
+    set_backend,
+)
+from model.attention_probe import (
+    PROBE_TOKENS,
+    last_rows_reference,
+    probe_kernel,
+    training_layout,
+)
 from model.checkpoint_offload import apply_offload
 from model.config import Qwen3Config
 from model.host_pool import host_block_bytes
@@ -80,7 +94,7 @@ def _max_rel(a: dict, b: dict) -> float:
     )
 
 
-# ---- the attention core against SDPA -------------------------------------------------------------
+# ---- the attention core against SDPA
 def _qkv(dtype, nh, nkv, t=37, hd=16, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(B, t, h, hd, generator=g, dtype=torch.float64) for h in (nh, nkv, nkv))
@@ -158,7 +172,7 @@ def test_pinned_backend_and_misuse():
         store.run(attention, *qkv)
 
 
-# ---- choosing the backend ------------------------------------------------------------------------
+# ---- choosing the backend
 def _probe(usable, calls=None):
     def can_use(name, device, dtype, nh, nkv, hd):
         if calls is not None:
@@ -172,9 +186,11 @@ def test_pick_backend():
     kw = dict(num_heads=4, num_kv_heads=1, head_dim=128)
     bf16 = torch.bfloat16
     calls = []
-    assert pick_backend("cuda", bf16, **kw, can_use=_probe({"cudnn", "flash"}, calls)) == "cudnn"
+    assert (
+        pick_backend("cuda", bf16, **kw, can_use=_probe({"cudnn", "flash"}, calls)).name == "cudnn"
+    )
     assert calls == [("cudnn", "cuda", bf16, 4, 1, 128)]  # asked about these shapes, grouped kv
-    assert pick_backend("cuda", bf16, **kw, can_use=_probe({"flash"})) == "flash"
+    assert pick_backend("cuda", bf16, **kw, can_use=_probe({"flash"})).name == "flash"
     # neither fused kernel: refused at training lengths, math only for short runs
     with pytest.raises(ValueError, match="neither cuDNN nor flash attention can run torch.float32"):
         pick_backend("cuda", torch.float32, **kw, can_use=_probe(set()))
@@ -183,12 +199,14 @@ def test_pick_backend():
             "cuda", torch.float32, **kw, seq_len=MATH_MAX_TOKENS + 1, can_use=_probe({"math"})
         )
     assert (
-        pick_backend("cuda", torch.float32, **kw, seq_len=MATH_MAX_TOKENS, can_use=_probe({"math"}))
+        pick_backend(
+            "cuda", torch.float32, **kw, seq_len=MATH_MAX_TOKENS, can_use=_probe({"math"})
+        ).name
         == "math"
     )
     # a named backend must run, and only where it exists
     assert (
-        pick_backend("cuda", bf16, **kw, request="flash", can_use=_probe({"cudnn", "flash"}))
+        pick_backend("cuda", bf16, **kw, request="flash", can_use=_probe({"cudnn", "flash"})).name
         == "flash"
     )
     with pytest.raises(ValueError, match="'cudnn' cannot run"):
@@ -199,14 +217,119 @@ def test_pick_backend():
         pick_backend("cpu", bf16, **kw, request="xformers")
     # CPU, with torch's own checks
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
-        assert pick_backend("cpu", dtype, **kw) == "cpu_flash"
-    assert pick_backend("cpu", bf16, **kw, can_use=_probe(set())) == "math"
+        assert pick_backend("cpu", dtype, **kw).name == "cpu_flash"
+    assert pick_backend("cpu", bf16, **kw, can_use=_probe(set())).name == "math"
     if not torch.cuda.is_available():  # no GPU: torch's checks say no, and say it clearly
         with pytest.raises(ValueError, match="neither cuDNN nor flash"):
             pick_backend("cuda", bf16, **kw)
 
 
-# ---- attention once inside the checkpointed, offloaded layer -------------------------------------
+def _failing(broken: dict, calls=None):
+    """A probe runner: the reason for each backend in `broken`, None (it ran) for the others."""
+
+    def probe(name, device, dtype, nh, nkv, hd):
+        if calls is not None:
+            calls.append((name, device.type, nh, nkv, hd))
+        return broken.get(name)
+
+    return probe
+
+
+def test_probe_failure_falls_back_to_flash_with_the_reason(capsys):
+    kw = dict(num_heads=4, num_kv_heads=1, head_dim=128, can_use=_probe({"cudnn", "flash"}))
+    bf16, calls = torch.bfloat16, []
+    ok = pick_backend("cuda", bf16, **kw, probe=_failing({}, calls))
+    assert (ok.name, ok.why, calls) == ("cudnn", "", [("cudnn", "cuda", 4, 1, 128)])
+    boom = "RuntimeError: cuDNN Frontend error: No valid execution plans built."
+    c = pick_backend("cuda", bf16, **kw, probe=_failing({"cudnn": boom}))
+    assert c.name == "flash" and c.passed_over == (f"cudnn: {boom}",)
+    refused = pick_backend("cuda", bf16, **{**kw, "can_use": _probe({"flash"})}, probe=_failing({}))
+    assert refused.why == "cudnn: torch's checks refuse these shapes"
+    # nothing runs: one line naming each kernel's reason
+    broken = {"cudnn": boom, "flash": "dq of the last 8 rows is off by 0.7 of its largest value"}
+    with pytest.raises(ValueError) as e:
+        pick_backend("cuda", bf16, **kw, seq_len=2**20, probe=_failing(broken))
+    msg = str(e.value)
+    assert "\n" not in msg and f"cudnn: {boom}; flash: {broken['flash']}" in msg
+    assert msg.startswith("attention: neither cuDNN nor flash attention can run")
+    # a named backend that fails its probe is refused, not swapped
+    with pytest.raises(ValueError, match="'cudnn' failed its probe .*No valid execution plans"):
+        pick_backend("cuda", bf16, **kw, request="cudnn", probe=_failing({"cudnn": boom}))
+    # train.py's log line names the kernel and why the one before it was passed over
+    import train
+    from memory.plan import plan
+    from model.config import ConfigError
+
+    tiny = Qwen3Config.preset("tiny")
+    planned = plan(tiny, 512, gpus=1, sp=1, device="cpu")
+    train.log_attention(train.TrainConfig(seq_len=512), tiny, 1, torch.float32, c, planned)
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith(f"attention: FlashAttention-2 (flash; cudnn: {boom}); "), line
+    # and a refusal becomes its one-line ConfigError
+
+    if not torch.cuda.is_available():
+        cfg = train.TrainConfig(seq_len=2**20)
+        with pytest.raises(ConfigError) as e:
+            train.choose_attention(
+                cfg, Qwen3Config.preset("qwen3-8b"), 8, torch.device("cuda"), bf16
+            )
+        assert "\n" not in str(e.value) and "cudnn: torch's checks refuse" in str(e.value)
+
+
+def test_cudnn_gate_is_torchs_rule():
+    """torch prefers cuDNN attention above cuDNN 9.15.0 on sm90/sm100 (sm90, sm100, sm103 before
+    CUDA 13): sdp_utils.cpp's check_prefer_cudnn_attention."""
+    assert cudnn_gate(91501, (9, 0), "12.8") is None  # H100/H200, cuDNN 9.15.1
+    assert cudnn_gate(91600, (10, 0), "13.0") is None
+    assert cudnn_gate(91600, (10, 3), "12.9") is None
+    assert "cuDNN 9.15.0: torch prefers cuDNN attention only above 9.15.0" in cudnn_gate(
+        91500, (9, 0), "12.8"
+    )
+    assert "cuDNN 9.10.2" in cudnn_gate(91002, (9, 0), "12.8")
+    assert "cuDNN none" in cudnn_gate(None, (9, 0), "12.8")
+    assert "sm80" in cudnn_gate(91600, (8, 0), "13.0")  # A100: flash first
+    assert cudnn_gate(91600, (10, 1), "13.0") is None and "sm101" in cudnn_gate(
+        91600, (10, 1), "12.9"
+    )
+
+
+def test_probe_runs_the_kernel_in_the_training_layout():
+    """The real probe on CPU: torch's CPU kernels pass; a kernel that is wrong past the first tile
+    (here: it sees only the first 4096 keys) or that raises is caught, with the reason."""
+    heads = (4, 2, 16)
+    assert probe_kernel("cpu_flash", "cpu", torch.float32, *heads) is None
+    assert probe_kernel("math", "cpu", torch.float64, *heads, tokens=600) is None
+    seen = []
+
+    def misread(q, k, v, backend):  # the ragged last tile reads the first tile's keys again
+        seen.append((backend, q.shape, q.stride(), k.shape, k.stride()))
+        k, v = (torch.cat([t[:, :4096], t[:, : t.shape[1] - 4096]], 1) for t in (k, v))
+        return attention(q, k, v, backend=backend)
+
+    why = probe_kernel("cpu_flash", "cpu", torch.float32, *heads, attend=misread)
+    assert re.fullmatch(r"(out|dq|dk|dv) of the last 8 rows is off by [0-9.e-]+ of .*", why), why
+    T = PROBE_TOKENS  # [1, T, heads, hd] contiguous, as the exchange leaves them
+    assert seen == [
+        ("cpu_flash", (1, T, 4, 16), (T * 64, 64, 16, 1), (1, T, 2, 16), (T * 32, 32, 16, 1))
+    ]
+
+    def raising(q, k, v, backend):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
+
+    why = probe_kernel("cpu_flash", "cpu", torch.float32, *heads, tokens=300, attend=raising)
+    assert why == "RuntimeError: CUDA error: an illegal memory access was encountered"
+
+
+def test_last_rows_reference_matches_fp64_attention():
+    q, k, v, dout = training_layout(300, 6, 2, 8, torch.float64, "cpu")
+    ref = last_rows_reference(q, k, v, dout, 8)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    got = _run(_sdpa, [q, k, v], dout)
+    for name, t in zip(("out", "dq", "dk", "dv"), got, strict=True):
+        torch.testing.assert_close(ref[name].double(), t[0, -8:], rtol=1e-5, atol=1e-6)
+
+
+# ---- attention once inside the checkpointed, offloaded layer
 def _step(m, ids, micro=1):
     m.zero_grad(set_to_none=True)
     counts = []
@@ -247,6 +370,34 @@ def test_attention_runs_once_with_the_same_gradients(offload, tile):
         assert s_re.d2h_bytes == L * X  # the recompute path: inputs only, as before
     else:
         assert s_once.d2h_bytes == 0
+
+
+def test_a_layers_three_copies_back_start_together_one_layer_ahead(monkeypatch):
+    """Backward asks the pool for layer i's input, out and lse in turn (its recompute); by the
+    first of them the three are on their way, and layer i-1's three start copying back at that
+    moment, all together: the pool's copies back counted at each of backward's requests."""
+    L = CFG.num_hidden_layers
+    m, ids = _model(), _ids(6)
+    pool = apply_offload(m, min_bytes=0, save_attention=True)
+    seen, unpack = [], pool.unpack
+
+    def counting(packed):  # the pool's unpack hook, as apply_offload installed it
+        out = unpack(packed)
+        if not isinstance(packed, torch.Tensor):  # a tensor the pool moved
+            seen.append((out.numel() * out.element_size(), pool.stats().h2d_copies))
+        return out
+
+    monkeypatch.setattr(pool, "unpack", counting)
+    _loss(m, ids).backward()
+    s = pool.reset_step()
+    # layers L-2 .. 0, each asked for in the order its recompute needs them: input, out, lse; the
+    # last layer's recompute has already started layer L-2's three
+    want = []
+    for i in range(L - 2, -1, -1):
+        started = 3 * (L - 1 - i) + (3 if i > 0 else 0)  # layer i's and (i > 0) layer i-1's
+        want += [(X, started), (OUT, started), (LSE, started)]
+    assert seen == want
+    assert s.prefetched == s.h2d_copies == 3 * (L - 1)
 
 
 def test_bf16_and_grad_accumulation():
@@ -314,7 +465,7 @@ def test_ten_steps_hold_no_more():
     assert live[0] == live[1]  # no tensor or store accumulates from step 2 to step 10
 
 
-# ---- Ulysses sp=2 with kv repeat, FSDP2, tiled MLP, grad accumulation: 2 gloo processes ----------
+# ---- Ulysses sp=2 with kv repeat, FSDP2, tiled MLP, grad accumulation: 2 gloo processes
 SP_CFG = replace(CFG, num_key_value_heads=1, num_hidden_layers=3)  # 1 kv head, repeated to 2 ranks
 SP_T = 32
 
@@ -376,7 +527,7 @@ def test_ulysses_fsdp_once_equals_recompute_and_one_process():
         assert _max_rel(g_once, g_ref) <= 1e-5
 
 
-# ---- CUDA only: the kernels training pins --------------------------------------------------------
+# ---- CUDA only: the kernels training pins
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

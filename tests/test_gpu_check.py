@@ -20,7 +20,8 @@ from dist_utils import run_distributed
 from memory.plan import load_config, plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("loss", "layers", "attention", "backends", "optimizer", "projection")
+SECTIONS = ("loss", "layers", "attention", "backends", "optimizer", "int32", "cpu_offload")
+SECTIONS += ("projection",)
 
 
 def _script(name, *args, timeout=120):
@@ -90,6 +91,25 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     for t in ("out", "dq", "dk", "dv"):
         _finite(b["diffs"][t], ["max_abs", "max_ref", "rel"], f"backends.{t}")
         assert b["diffs"][t]["rel"] < 1e-5  # fp32: rounding only
+    # train.py's probe and its fallback: on CPU cpu_flash probed, then math when it is made to fail
+    assert b["probe"] == {"cpu_flash": "ok", "math": "ok"} and b["chosen"] == "cpu_flash"
+    assert (b["fallback"], b["fallback_why"]) == ("math", "cpu_flash: failure injected")
+    # the loss at three chunk sizes, each timed with its memory
+    assert [run["chunk_rows"] for run in r["loss"]["runs"]] == [32, 128, 256]
+    for run in r["loss"]["runs"]:
+        _finite(run, ["time_s", "peak_mem_gb"], "loss.runs")
+    # the int32 part's check ran (tiny: far below 2^31 elements) and agreed with the reference
+    i = r["int32"]
+    assert (i["q_elements"], i["past_2_31"], i["agrees"], i["backend"]) == (
+        512 * 4 * 32,
+        False,
+        True,
+        "cpu_flash",
+    )
+    # train.py --cpu-offload ran its steps; its last record came back
+    c = r["cpu_offload"]
+    assert (c["model"], c["step"]) == ("tiny", 2) and c["planned_peak_gb"] > 0
+    _finite(c, ["loss", "step_time_s"], "cpu_offload")
     _finite(r["optimizer"], ["time_s", "params_per_gpu"], "optimizer")
     p = r["projection"]
     _finite(p, ["planner_floor_s", "planner_flops", "a2a_s", "planner_peak_gb"], "projection")

@@ -698,3 +698,77 @@ def test_cpu_offload_through_plan_for_run_cli_and_table():
     assert "with --cpu-offload" in format_plan(plan(QWEN3_8B, T_1M, gpus=8, sp=8, host_mem_gb=2000))
     d = json.loads(_cli("--cpu-offload", "--json").stdout)
     assert d["options"]["cpu_offload"] is True and d["gb_per_gpu"]["total"] < 30
+
+
+# ---- outside the allocator, flash's GQA expansion, the prefetched attention, 2^31 elements ------
+def test_context_and_nccl_are_kept_free():
+    """fits_gpu keeps the CUDA context and one NCCL communicator's buffers per group (FSDP2's over
+    all GPUs, Ulysses' own with sp > 1) free besides the peak and the reserve; a CPU plan none."""
+    p = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
+    assert p.communicators == 2 and p.outside_allocator == int((0.75 + 2 * 1.6) * GB)
+    assert plan(QWEN3_8B, T_1M, gpus=8, sp=1).communicators == 1  # dp=8: FSDP2's group only
+    assert plan(QWEN3_8B, 65_536, gpus=1, sp=1).outside_allocator == int(0.75 * GB)
+    assert plan(TINY, 4096, gpus=2, sp=2, device="cpu").outside_allocator == 0
+    edge = (p.total + p.options.reserve_gb * GB) / GB + 1.0  # room for the peak and reserve only
+    kw = dict(gpus=8, sp=8, save_attention=True)
+    assert not plan(QWEN3_8B, T_1M, gpu_mem_gb=edge, **kw).fits_gpu
+    assert plan(QWEN3_8B, T_1M, gpu_mem_gb=edge + 3.0, **kw).fits_gpu
+
+
+def test_flash_backward_expands_dk_dv_to_the_query_heads():
+    """aten's flash backward (mha_bwd) allocates dk and dv at the query heads when there are fewer
+    kv heads, [T, nh/sp, hd] each in the compute dtype, and sums them down at the end: 2 GiB per GPU
+    at the recipe (4 query heads on 1 kv head per rank). cuDNN's backward takes the kv heads as
+    they are; a model with as many kv heads as query heads expands nothing."""
+    kw = dict(gpus=8, sp=8, save_attention=True)
+    cudnn = plan(QWEN3_8B, T_1M, **kw)
+    flash = plan(QWEN3_8B, T_1M, attn_backend="flash", **kw)
+    key = Buffer.FLASH_GQA_GRADS
+    expanded = 2 * T_1M * (32 // 8) * 128 * 2
+    assert expanded == 2 * GiB
+    at_attention = [m for m in flash.moments if m.name == "attention backward"]
+    assert len(at_attention) == 3 and all(m.working[key] == expanded for m in at_attention)
+    assert all(key not in m.working for m in flash.moments if m.name != "attention backward")
+    assert all(key not in m.working for m in cudnn.moments)
+    assert flash.layer.name == "attention backward" and flash.total > cudnn.total
+    mha = replace(QWEN3_8B, num_key_value_heads=32)
+    assert all(key not in m.working for m in plan(mha, T_1M, attn_backend="flash", **kw).moments)
+    on_cpu = plan(TINY, 4096, gpus=2, sp=2, attn_backend="flash", device="cpu")
+    assert all(key not in m.working for m in on_cpu.moments)
+    assert (
+        3_700_000
+        < max_seq_len(QWEN3_8B, gpus=8, sp=8, attn_backend="flash")
+        < max_seq_len(QWEN3_8B, gpus=8, sp=8)
+    )
+
+
+def test_next_layers_attention_is_prefetched_with_its_input():
+    """Attention once: the pool starts the copies back of layer i-1's input, out and lse together
+    when layer i's recompute begins, so every layer's backward but layer 0's holds them."""
+    p = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
+    ahead = {m.layer: m.working.get(Buffer.NEXT_ATTENTION, 0) for m in p.moments if m.layer}
+    assert ahead == {35: 2**30 + 2**24, 1: 2**30 + 2**24}  # out [T, 4, 128] bf16 + lse fp32
+    assert all(Buffer.NEXT_ATTENTION not in m.working for m in p.moments if m.layer == 0)
+    for q in (
+        plan(QWEN3_8B, T_1M, gpus=8, sp=8),
+        plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False, save_attention=True),
+    ):
+        assert all(Buffer.NEXT_ATTENTION not in m.working for m in q.moments)
+
+
+def test_attention_past_2_31_elements_is_flagged_unverified():
+    """A rank's q holds T x heads/sp x head_dim elements: 2^31 at 4,194,304 tokens over sp=8."""
+    from memory.report import plan_warnings
+
+    at, past = 4_194_304, 4_194_304 + 8192
+    assert plan(QWEN3_8B, at, gpus=8, sp=8).attention_elements == 2**31
+    assert not any("2^31" in w for w in plan_warnings(plan(QWEN3_8B, at, gpus=8, sp=8)))
+    warned = plan_warnings(plan(QWEN3_8B, past, gpus=8, sp=8))
+    assert any(f"{past * 4 * 128:,} elements" in w and "unverified on GPU" in w for w in warned)
+    r = _cli("--seq-len", str(past))
+    assert r.returncode == 0 and "unverified on GPU" in r.stdout
+    d = json.loads(_cli("--seq-len", str(past), "--json").stdout)
+    assert d["attention_elements"] == past * 4 * 128 and len(d["warnings"]) == 2
+    # planned before train.py's probe (auto): what flash would add is said; a pinned kernel: not
+    assert "should it fail train.py's probe" in _cli("--seq-len", str(T_1M)).stdout
+    assert "should it fail" not in _cli("--seq-len", str(T_1M), "--attn-backend", "cudnn").stdout

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.checkpoint_offload import apply_offload, offload_layers, remove_offload
 from model.config import Qwen3Config
@@ -29,7 +30,7 @@ X_BYTES = B * T * CFG.hidden_size * 4  # one fp32 layer input
 
 
 def _block_ref(n: int) -> int:
-    """The block-size rule, written out: min(64 MiB, max(512, largest power of two <= n // 64))."""
+    """The pool's block size, written out: min(64 MiB, max(512, largest power of 2 <= n // 64))."""
     q, p = n // 64, 1
     while p * 2 <= q:
         p *= 2
@@ -255,6 +256,44 @@ def test_retain_graph_remove_and_misuse():
         _loss(m, ids)
 
 
+class CountSilu(TorchDispatchMode):
+    """Counts aten.silu forward calls: one per MLP tile run (forward, recompute or the
+    backward's replay); the untiled MLP runs one per call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func.overloadpacket is torch.ops.aten.silu
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_recompute_skips_the_tile_loop(offload, monkeypatch):
+    """In checkpoint's recompute a tiled MLP only saves its input: its tiles run in forward and
+    in its backward's replay, not in the recompute, and the gradients are bit-equal to a recompute
+    that runs them (output_unused replaced by a no-op)."""
+    import contextlib
+
+    import model.tiled_mlp as tiled
+
+    tile, L = 16, CFG.num_hidden_layers
+    tiles = -(-B * T // tile)  # 96 rows: 6 tiles per layer call
+    ref, ids, got = _model(), _ids(4), {}
+    for skip in (True, False):
+        if not skip:
+            monkeypatch.setattr(tiled, "output_unused", contextlib.nullcontext)
+        m = copy.deepcopy(ref)
+        apply_offload(m, offload=offload, min_bytes=0, tile_mlp=tile)
+        with CountSilu() as c:
+            got[skip] = _step(m, ids)
+        assert c.calls == (2 if skip else 3) * L * tiles, (skip, c.calls)
+    assert torch.equal(got[True][0], got[False][0])
+    for n, g in got[False][1].items():
+        assert torch.equal(got[True][1][n], g), n
+
+
 @pytest.mark.parametrize("tile", [1, 7, 96, 200])  # 96 tokens in all: ragged, exact, over
 def test_tiled_mlp_matches_mlp(tile):
     torch.manual_seed(0)
@@ -267,8 +306,7 @@ def test_tiled_mlp_matches_mlp(tile):
     y = mlp(x)
     g = torch.autograd.grad(y, [x, *mlp.parameters()], dy)
     torch.testing.assert_close(y, y0, rtol=1e-5, atol=1e-6)
-    # fp32 up to summation order (weight grads sum over the tiles)
-    for a, b in zip(g, g0, strict=True):
+    for a, b in zip(g, g0, strict=True):  # fp32 up to summation order (weight grads: over tiles)
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
     # bf16: weight grads accumulate over tiles in fp32, so tiling costs no extra rounding drift
     w = [
@@ -376,14 +414,14 @@ def test_bench_runs_on_cpu():
     assert "offload_tiled" in format_table(r)
 
 
-# ---- host memory: fixed-size blocks, a layer input copied in pieces ------------------------------
+# ---- host memory: fixed-size blocks, a layer input copied in pieces
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]
 GIB = 1 << 30
 
 
 def test_host_blocks_follow_the_formula_and_waste_under_2_percent():
-    """Arithmetic from 32 KiB to 1 TiB: the block-size rule, whole blocks, <= 1.02 x."""
+    """Arithmetic from 32 KiB to 1 TiB: the block size formula, whole blocks, <= 1.02 x."""
     import random
 
     rnd = random.Random(0)

@@ -1,0 +1,135 @@
+"""An attention kernel checked by running it: one forward and backward in the training layout,
+its last rows against an fp32 reference.
+
+    choice = pick_backend("cuda", torch.bfloat16, num_heads=4, num_kv_heads=1, head_dim=128,
+                          probe=probe_kernel)          # each candidate run once; choice.why: misses
+    reason = probe_kernel("cudnn", "cuda", torch.bfloat16, 4, 1, 128)   # None: it ran and agreed
+    q, k, v, dout = training_layout(532_480, 32, 8, 128, torch.bfloat16, "cuda")
+    reason = check_attention(functools.partial(attention, backend="flash"), q, k, v, dout)
+
+Why run it: torch's checks (can_use_cudnn_attention, ...) look at dtypes, head dims and layouts of
+tiny tensors, not at the length or at the strides training hands the kernel. probe_kernel runs
+PROBE_TOKENS tokens with the per-rank head counts in the layout Ulysses' exchange leaves q, k, v
+and the output gradient in: [1, T, heads, hd] contiguous, which attention() hands the kernel as
+[1, heads, T, hd] views with strides (T*heads*hd, hd, heads*hd, 1). For cuDNN it first applies
+torch's own preference rule (model/attention.py's cudnn_gate).
+
+The reference needs only O(rows x T) work: the last `rows` query rows see every key, so their out
+and dq need those rows of q and dout and all of k and v; the last `rows` key rows are seen only by
+those same queries, so their dk and dv need nothing more. A kernel that misreads a tile, a stride
+or an index past 2^31 elements shows there: bench/gpu_check.py runs check_attention at a length
+whose q holds more than 2^31 elements.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from model.attention import attention, torch_cudnn_gate
+
+__all__ = [
+    "PROBE_ROWS",
+    "PROBE_TOKENS",
+    "PROBE_TOLERANCE",
+    "check_attention",
+    "last_rows_reference",
+    "probe_kernel",
+    "training_layout",
+]
+
+PROBE_TOKENS = 4104  # 32 full 128-row tiles and a ragged 8-row one; rows pad to a multiple of sp
+PROBE_ROWS = 8  # rows checked at the end of the sequence
+# of a tensor's largest reference value: bf16 rounding and other summation orders stay near 1e-2,
+# a misread tile or index is off by O(1)
+PROBE_TOLERANCE = 0.05
+
+
+def training_layout(tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype, device):
+    """Random q, dout [1, T, nh, hd] and k, v [1, T, nkv, hd], contiguous, as training has them."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    heads = (num_heads, num_kv_heads, num_kv_heads, num_heads)
+    return [
+        torch.randn(1, tokens, h, head_dim, generator=gen, device=device, dtype=dtype)
+        for h in heads
+    ]
+
+
+def last_rows_reference(q, k, v, dout, rows: int) -> dict:
+    """fp32 out and dq of the last `rows` query rows, dk and dv of the last `rows` key rows, causal:
+    each [rows, heads, hd] (dk, dv with the kv heads). q, dout [1, T, nh, hd], k, v [1, T, nkv, hd].
+    """
+    T, nh, hd = q.shape[1:]
+    nkv = k.shape[2]
+    g, scale, first = nh // nkv, hd**-0.5, T - rows
+    qr = q[0, first:].float().view(rows, nkv, g, hd)  # query head j*g+i shares kv head j
+    dor = dout[0, first:].float().view(rows, nkv, g, hd)
+    kf, vf = k[0].float(), v[0].float()  # [T, nkv, hd]
+    s = torch.einsum("rjgd,tjd->jgrt", qr, kf) * scale  # [nkv, g, rows, T]
+    seen = torch.arange(T, device=q.device) <= torch.arange(first, T, device=q.device)[:, None]
+    p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
+    out = torch.einsum("jgrt,tjd->rjgd", p, vf)
+    delta = (dor * out).sum(-1).permute(1, 2, 0)[..., None]  # rowsum(dout * out): [nkv, g, rows, 1]
+    ds = p * (torch.einsum("rjgd,tjd->jgrt", dor, vf) - delta) * scale
+    dq = torch.einsum("jgrt,tjd->rjgd", ds, kf)
+    tail_p, tail_ds = p[..., first:], ds[..., first:]  # [nkv, g, query rows, key rows]
+    return {
+        "out": out.reshape(rows, nh, hd),
+        "dq": dq.reshape(rows, nh, hd),
+        "dk": torch.einsum("jgrs,rjgd->sjd", tail_ds, qr),
+        "dv": torch.einsum("jgrs,rjgd->sjd", tail_p, dor),
+    }
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def check_attention(
+    attend, q, k, v, dout, *, rows: int = PROBE_ROWS, tol: float = PROBE_TOLERANCE
+) -> str | None:
+    """Run attend(q, k, v) -> out [1, T, nh, hd] forward and backward; None if every result is
+    finite and the last rows agree with last_rows_reference within tol, else what went wrong."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    try:
+        out = attend(q, k, v)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), dout)
+        if q.device.type == "cuda":
+            torch.cuda.synchronize(q.device)  # a kernel's own error surfaces here
+    except Exception as e:  # a kernel's refusal or failure is the probe's answer, not a crash
+        return _one_line(e)
+    got = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    ref = last_rows_reference(q.detach(), k.detach(), v.detach(), dout, rows)
+    for name, t in got.items():
+        if not torch.isfinite(t).all():
+            return f"{name} is not finite"
+        want = ref[name]
+        err = (t[0, -rows:].float() - want).abs().max() / want.abs().max().clamp_min(1e-30)
+        if not err <= tol:
+            return f"{name} of the last {rows} rows is off by {err:.3g} of its largest value"
+    return None
+
+
+def probe_kernel(
+    name: str,
+    device,
+    dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    tokens: int = PROBE_TOKENS,
+    attend=attention,
+) -> str | None:
+    """pick_backend's probe: None if backend `name` runs this rank's heads at `tokens` tokens in
+    the training layout and agrees with the reference, else why not (cuDNN: torch's preference
+    rule first). attend(q, k, v, backend=name): the attention under test (tests replace it)."""
+    device = torch.device(device)
+    gate = torch_cudnn_gate(name, device) if device.type == "cuda" else None
+    if gate:
+        return gate
+    q, k, v, dout = training_layout(tokens, num_heads, num_kv_heads, head_dim, dtype, device)
+    return check_attention(functools.partial(attend, backend=name), q, k, v, dout)
