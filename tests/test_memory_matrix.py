@@ -327,27 +327,3 @@ if __name__ == "__main__":
             f"pool (pinned, d2h) {_POOL[n][0]} planned {_POOL[n][1]}"
         )
     print(f"{time.perf_counter() - t0:.1f} s")
-
-
-def _spin(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
-
-
-@pytest.mark.slow
-def test_the_meter_counts_the_same_on_a_busy_machine(matrix):
-    """The case that once read 7% high with other work on the cores: measured again with two
-    processes spinning on both cores, it gives the idle matrix's count to the byte."""
-    import multiprocessing as mp
-
-    name = "sp2 loss peak save attention"
-    spinners = [mp.get_context("spawn").Process(target=_spin, args=(120,)) for _ in range(2)]
-    for s in spinners:
-        s.start()
-    try:
-        busy = measure([name])[name]
-    finally:
-        for s in spinners:
-            s.terminate()
-    assert busy == matrix[name], (busy, matrix[name])
