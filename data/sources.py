@@ -34,7 +34,7 @@ def is_hub_source(source: str) -> bool:
     return source == "pg19" or source.startswith(("pg19:", "hf:"))
 
 
-def _hub_id_and_split(source: str) -> tuple[str, str]:
+def hub_id_and_split(source: str) -> tuple[str, str]:
     if source.startswith("hf:"):
         repo, _, split = source[3:].partition(":")
     else:
@@ -77,7 +77,7 @@ def local_files(path: str) -> tuple[list[str], str]:
 def describe(source: str, text_column: str = "text", shuffle_buffer: int = 100) -> dict[str, Any]:
     """What identifies the source's content, for the cache key; cheap (no file is read)."""
     if is_hub_source(source):
-        repo, split = _hub_id_and_split(source)
+        repo, split = hub_id_and_split(source)
         return {
             "hub": repo,
             "split": split,
@@ -144,7 +144,7 @@ def _iter_hub(
 ) -> Iterator[str]:
     import datasets
 
-    repo, split = _hub_id_and_split(source)
+    repo, split = hub_id_and_split(source)
     try:
         ds = datasets.load_dataset(repo, split=split, streaming=True)
         ds = ds.shuffle(seed=seed, buffer_size=shuffle_buffer)
