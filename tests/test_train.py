@@ -35,8 +35,14 @@ CFG = Qwen3Config(
 
 
 def metrics(out_dir) -> list[dict]:
+    """The step records of a run's metrics.jsonl (eval_records has its evaluations')."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if not r.get("eval")]
+
+
+def eval_records(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("eval")]
 
 
 @pytest.fixture(scope="module")
@@ -271,3 +277,20 @@ def test_demo_learns_across_shards(tmp_path):
     )
     # a from-scratch init on a 2-rank CPU mesh is where DTensor's RNG warning fired (run/quiet.py)
     assert "DTensor random operators" not in p.stderr
+    # held-out rows (seed 2): before training every bucket sits at ln 64; after it the repeated
+    # half [256, 512) is near 0 and the random first half still near ln 64
+    first, last = eval_records(tmp_path / "demo")
+    for r in (first, last):
+        print(
+            f"eval at step {r['step']}:",
+            [(b[0], b[1], round(b[2], 4)) for b in r["loss_by_position"]],
+        )
+    ln64 = np.log(64)
+    assert (first["step"], last["step"]) == (0, 400)
+    assert [b[:2] for b in last["loss_by_position"]] == [[0, 64], [64, 128], [128, 256], [256, 512]]
+    assert all(abs(b[2] - ln64) < 0.1 for b in first["loss_by_position"])
+    assert all(abs(b[2] - ln64) < 0.3 for b in last["loss_by_position"][:3])
+    assert last["loss_by_position"][3][2] < 0.5
+    assert (tmp_path / "demo" / "loss_by_position.png").stat().st_size > 0
+    assert f"step 0 -> step 400: {tmp_path / 'demo' / 'loss_by_position.png'}" in p.stdout
+    assert "warning: eval loss past" not in p.stdout  # the configuration check stays silent
