@@ -99,7 +99,7 @@ def test_run_evaluates_the_rows_after_its_training_rows(held):
     d, ref, rows = held
     out = d / "run"
     data = ["--data", f"tokens:{d / 'tokens.npy'}", "--steps", "1", "--lr", "1e-2"]
-    p = run_train(4, *data, *common(d, out), "--sp", "2")
+    p = run_train(2, *data, *common(d, out), "--sp", "1")
     first, last = eval_records(out)
     assert (first["step"], last["step"]) == (0, 1)
     assert_matches(first, ref, rows[2:5])
@@ -180,6 +180,38 @@ def test_context_check_warns_past_a_short_trained_context(tmp_path, one_thread):
     warning = [x for x in p.stdout.splitlines() if x.startswith("warning: eval loss past")]
     assert len(warning) == 1, p.stdout[-3000:]
     assert "original context (128 positions)" in warning[0] and "RoPE scaling" in warning[0]
+
+
+def test_planned_eval_peak_is_below_the_training_step_everywhere():
+    """The planner's side of "an evaluation never makes a run that fits stop fitting": over
+    the presets, row lengths and options, and the memory matrix's configurations."""
+    from test_memory_matrix import MATRIX, _spec
+
+    from memory.plan import plan
+
+    cases = []
+    for name in ("qwen3-0.6b", "qwen3-8b", "qwen3-32b"):
+        c = Qwen3Config.preset(name).with_yarn(32, 32768)
+        for seq_len in (32768, 1 << 20):
+            for options in (
+                dict(),
+                dict(offload=False, mlp_tile=None),
+                dict(save_attention=True),
+                dict(cpu_offload=True, mlp_tile=16384),
+            ):
+                cases.append(plan(c, seq_len, gpus=8, sp=8, **options))
+    for name in MATRIX:
+        c, world, sp, seq_len, dtype, offload, tile, chunk, nc, sa, co = _spec(name)
+        cases.append(
+            plan(
+                c, seq_len, gpus=world, sp=sp, offload=offload, tiled_mlp=tile > 0,
+                mlp_tile=tile or None, loss_chunk=chunk, device="cpu", norm_chunk=nc,
+                compute_bytes=torch.finfo(getattr(torch, dtype)).bits // 8, save_attention=sa,
+                cpu_offload=co,
+            )
+        )  # fmt: skip
+    for p in cases:
+        assert p.eval_total < p.total, (p.options, p.eval_peak.name)
 
 
 def test_token_losses_are_cross_entropy_without_gradient_buffers():
