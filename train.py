@@ -850,7 +850,7 @@ def log0_outputs(cfg: TrainConfig, log: StepLog, final: str) -> None:
             f"{last_step} ({last_loss / first_loss:.1%} of the first)"
         )
     outputs = (
-        f"outputs in {cfg.out}/: metrics.jsonl (one record per step), "
+        f"outputs in {cfg.out}/: metrics.jsonl (one record per step and per evaluation), "
         f"config.json (--config reruns it)"
     )
     if cfg.save_every:

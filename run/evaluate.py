@@ -487,5 +487,6 @@ def start_evaluation(
         f"peak {plan.eval_total / 1e9:.3g} GB per GPU planned (a training step: "
         f"{plan.total / 1e9:.3g} GB)"
     )
-    evaluation.at(model, start)
+    if start == 0:  # a resumed run's metrics file has its evaluations up to `start`
+        evaluation.at(model, 0)
     return evaluation
