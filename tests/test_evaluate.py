@@ -272,3 +272,16 @@ def test_eval_records_are_json_lines_with_the_documented_fields(held):
         "eval_time_s", "eval_peak_mem_gb", "eval_planned_peak_gb",
     }  # fmt: skip
     assert rec["eval_ppl"] == pytest.approx(np.exp(rec["eval_loss"]))
+
+
+def test_text_table_without_matplotlib_has_the_picture_numbers():
+    from run.evaluate import text_table
+
+    recs = [
+        {"step": s, "loss_by_position": [[0, 64, m0, 64], [64, 128, m1, 64]]}
+        for s, m0, m1 in ((0, 4.1785, 4.1742), (400, 14.9, None))
+    ]
+    lines = text_table(recs)
+    assert len(lines) == 2 + 2 and "step 0" in lines[1] and "step 400" in lines[1]
+    assert lines[2].split() == ["0-64", "4.178", "14.900"]
+    assert lines[3].split() == ["64-128", "4.174", "-"]
