@@ -45,6 +45,7 @@ import torch  # after the signal handlers, on purpose
 import torch.distributed as dist
 
 from data import RowLoader, build_rows
+from data.cache import token_cache_dir
 from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
 from memory.plan import plan_for_run, step_flops
@@ -67,6 +68,7 @@ from model.parallel import build_mesh, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention
 from run.checkpoint import DiskSpaceError, checkpoints, resume, rows_to_read, save_checkpoint
 from run.checks import CHOICES, check_flags, check_layout, check_run, open_run_dir, resolve_model
+from run.evaluate import start_evaluation
 from run.export import export_final
 from run.guard import NonFiniteGuard, RunStopped
 from run.quiet import quiet_known_warnings
@@ -134,6 +136,19 @@ class TrainConfig:
         "all",
         "labels the loss counts; predictable: only those a synthetic source marks",
         CHOICES["loss_on"],
+    )
+    eval_data: str = arg(
+        "",
+        "held-out rows, a source like --data; empty: rows the run does not train on (pg19: its "
+        "validation split; a file: rows after the training rows; synthetic: seed + 1)",
+    )
+    eval_rows: int = arg(1, "rows per evaluation (split over the dp ranks)")
+    eval_every: int = arg(
+        -1,
+        "evaluate at step 0 and every N steps; -1: at step 0 and after the last step; 0: off",
+    )
+    eval_only: bool = arg(
+        False, "evaluate --model on --eval-data and exit (no training: --data, --steps unused)"
     )
     out: str = arg(
         "runs/latest", "the run directory: config.json, metrics.jsonl, checkpoints/, final/"
@@ -500,7 +515,8 @@ def main(argv=None) -> None:
         return
     rank, world, local_world, device = init_distributed(cfg.cpu_offload)
     try:
-        train(cfg, rank, world, local_world, device)
+        run = evaluate_only if cfg.eval_only else train
+        run(cfg, rank, world, local_world, device)
         dist.barrier()  # nobody tears down the group while another rank still saves
     finally:
         dist.destroy_process_group()
@@ -825,8 +841,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
 
     # ---- data first: a missing corpus fails before minutes of weight loading (text is
     # tokenised once per node and cached)
-    cache = cfg.cache_dir or os.environ.get("QWEN3_1M_CACHE")
-    cache = cache or os.path.expanduser("~/.cache/qwen3-1m")
+    cache = token_cache_dir(cfg.cache_dir)
     rows_needed = rows_to_read(cfg.out, cfg.resume, cfg.steps, cfg.grad_accum * dp)
     rows = build_rows(
         cfg.data,
@@ -873,6 +888,10 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     measure = cfg.measure_memory or device.type == "cuda"
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
     saved_at, done, stopped_by_signal, t_run = start, start, False, time.perf_counter()
+    # ---- held-out loss by position (run/evaluate.py): step 0 now, --eval-every, the last step
+    evaluation = start_evaluation(
+        model, optimizer, pool, cfg, mc, model_dir, mesh, log, planned, start=start, measure=measure
+    )
 
     # ---- the steps
     for step in range(start, end):
@@ -911,9 +930,11 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
             checkpoint(done)
             saved_at = done
+        evaluation.at(model, done)
         if STOP.on_any_rank(device):  # this step is done; save and leave together
             stopped_by_signal = True
             break
+    evaluation.finish()
     log.close()
     elapsed = time.perf_counter() - t_run
     log0(summary_line(log.peak_gb, measure, planned.total, done - start, elapsed))
@@ -939,6 +960,35 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     log0_outputs(cfg, log, final)
 
 
+def evaluate_only(cfg: TrainConfig, rank: int, world: int, local_world: int, device) -> None:
+    """--eval-only: --model's held-out loss by position on --eval-data (run/evaluate.py): the
+    same record and picture as a run's, no optimizer and no step."""
+    mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True)
+    dtype = compute_dtype(cfg, device)
+    mesh = build_mesh(world, sp, device.type)
+    model, _ = build_sharded_model(mc, mesh, device=device, model_dir=model_dir, param_dtype=dtype)
+    model.set_attention(UlyssesAttention(ulysses_group(mesh)))
+    cfg, _ = choose_attention(cfg, mc, sp, device, dtype)
+    apply_offload(model, offload=False, tile_mlp=cfg.tile_mlp or None)  # only the MLP tiling
+    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    log = StepLog(
+        cfg,
+        rank,
+        start=0,
+        planned_peak_gb=(None, None),
+        peak_tflops=None,
+        flops_per_step=0.0,
+        world=world,
+        progress=False,
+    )
+    measure = cfg.measure_memory or device.type == "cuda"
+    evaluation = start_evaluation(
+        model, None, None, cfg, mc, model_dir, mesh, log, planned, start=0, measure=measure
+    )
+    evaluation.finish()
+    log.close()
+
+
 def summary_line(peak_gb, measured: bool, planned_bytes: float, steps: int, seconds: float) -> str:
     if peak_gb is not None:
         peak = f"{peak_gb:.4g} GB measured"
@@ -960,7 +1010,7 @@ def log0_outputs(cfg: TrainConfig, log: StepLog, final: str) -> None:
             f"{last_step} ({last_loss / first_loss:.1%} of the first)"
         )
     outputs = (
-        f"outputs in {cfg.out}/: metrics.jsonl (one record per step), "
+        f"outputs in {cfg.out}/: metrics.jsonl (one record per step and per evaluation), "
         f"config.json (--config reruns it)"
     )
     if cfg.save_every:

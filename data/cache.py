@@ -40,6 +40,12 @@ FORMAT_VERSION = 1
 DTYPE = np.uint32
 
 
+def token_cache_dir(given: str = "") -> str:
+    """Where tokenised text is cached: `given` (train.py's --cache-dir), else $QWEN3_1M_CACHE,
+    else ~/.cache/qwen3-1m."""
+    return given or os.environ.get("QWEN3_1M_CACHE") or os.path.expanduser("~/.cache/qwen3-1m")
+
+
 def _normalise(obj: Any) -> Any:
     """The value as it reads back from JSON (tuples become lists), so comparisons are exact."""
     return json.loads(json.dumps(obj, sort_keys=True))
@@ -52,12 +58,6 @@ def sha256_of(array: np.ndarray, chunk: int = 1 << 24) -> str:
     for start in range(0, flat.size, chunk):
         h.update(np.ascontiguousarray(flat[start : start + chunk]).data)
     return h.hexdigest()
-
-
-def token_cache_dir(flag: str = "") -> str:
-    """Where token caches live: --cache-dir, else $QWEN3_1M_CACHE, else ~/.cache/qwen3-1m."""
-    chosen = flag or os.environ.get("QWEN3_1M_CACHE")
-    return chosen or os.path.expanduser("~/.cache/qwen3-1m")
 
 
 def _slug(name: str) -> str:

@@ -208,21 +208,34 @@ def _text_rows(
     return Rows(tokens, meta=entry.read_meta(), path=entry.npy, built=built)
 
 
-def _token_file_rows(path: str, seq_len: int, num_rows: int, vocab_size: int | None = None) -> Rows:
-    """Rows from a .npy of token ids, memory-mapped, never copied; with vocab_size, every id of the
-    rows used must lie in [0, vocab_size) (an id outside would fail deep inside the embedding)."""
+def _token_file(path: str) -> np.ndarray:
     try:
         arr = np.load(path, mmap_mode="r")
     except (OSError, ValueError) as e:
         raise FileNotFoundError(f"tokens:{path}: cannot memory-map it as a .npy array ({e})") from e
     if arr.dtype.kind not in "iu":
         raise ValueError(f"tokens:{path} holds {arr.dtype}, not integer token ids")
-    n = seq_len + 1
+    return arr
+
+
+def _cut(arr: np.ndarray, n: int) -> np.ndarray:
     if arr.ndim == 2 and arr.shape[1] == n:
-        rows = arr
-    else:
-        flat = arr.reshape(-1)
-        rows = flat[: flat.size // n * n].reshape(-1, n)
+        return arr
+    flat = arr.reshape(-1)
+    return flat[: flat.size // n * n].reshape(-1, n)
+
+
+def token_file_rows(path: str, seq_len: int) -> np.ndarray:
+    """Every row of seq_len + 1 ids a .npy of token ids holds, memory-mapped: its rows if they are
+    that long, else its flat contents cut into consecutive slices (a shorter tail left out)."""
+    return _cut(_token_file(path), seq_len + 1)
+
+
+def _token_file_rows(path: str, seq_len: int, num_rows: int, vocab_size: int | None = None) -> Rows:
+    """Rows from a .npy of token ids, memory-mapped, never copied; with vocab_size, every id of the
+    rows used must lie in [0, vocab_size) (an id outside would fail deep inside the embedding)."""
+    arr, n = _token_file(path), seq_len + 1
+    rows = _cut(arr, n)
     if len(rows) < num_rows:
         raise ValueError(
             f"tokens:{path} holds {arr.size:,} tokens ({len(rows)} rows of {n}), but "

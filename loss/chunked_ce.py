@@ -5,6 +5,7 @@ code" applies it to transformers' Qwen3ForCausalLM.
 
     loss_sum = chunked_cross_entropy(hidden, lm_head.weight, labels)   # [N, H], [V, H], [N]
     loss = group_mean_loss(loss_sum, labels, group)   # / the labels counted on every rank
+    per_token = token_losses(hidden, lm_head.weight, labels)   # [N], forward only (evaluation)
 
 For one row h [H] with logits z = W h [V] and label t:
 
@@ -20,7 +21,8 @@ by the incoming gradient; recomputing the logits in backward would cost a fourth
 Products run in the input dtype (bf16 on tensor cores) with fp32 accumulation, log-softmax in
 fp32, and the weight gradient is accumulated over chunks in fp32 and cast once. Memory: two
 [chunk, V] fp32 buffers (logits, log-probabilities) and p in bf16 for bf16 inputs, the [N, H]
-hidden gradient and the [V, H] fp32 weight-gradient accumulator; never anything [N, V].
+hidden gradient and the [V, H] fp32 weight-gradient accumulator; never anything [N, V]. The
+forward-only path (token_losses, for evaluation) keeps the two fp32 buffers and the losses only.
 
 Over several ranks (data parallel, or a row split by sequence parallelism) the mean is the sum of
 every rank's loss over the labels counted on all of them, not the mean of the ranks' means: those
@@ -85,76 +87,84 @@ def _add_weight_grad(grad_w, p, h, low: bool, fused_addmm: bool) -> None:
         grad_w.add_(torch.mm(p.T, h))
 
 
+def _chunk_pass(hidden, weight, labels, chunk_size, ignore_index, need_h, need_w):
+    """The one pass over row chunks: (losses [n] of the n counted rows, their row indices, the
+    hidden gradient or None, the fp32 weight-gradient accumulator or None). With neither gradient
+    (evaluation) it keeps only the two [chunk, V] fp32 buffers and the losses."""
+    n_rows, dim = hidden.shape
+    vocab = weight.shape[0]
+    dtype, device = hidden.dtype, hidden.device
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    low = dtype in _LOW_PRECISION
+    fused_mm, fused_addmm = _fused_ops(device) if low else (False, False)
+
+    # Ignored rows cost nothing: only the rows that count enter the products.
+    labels = labels.long()
+    if ignore_index is None:  # the caller says every label counts: no scan, no host sync
+        rows = torch.arange(n_rows, device=device)  # [n], as the scan would give
+    else:
+        rows = (labels != ignore_index).nonzero().squeeze(1)  # [n]
+    n = rows.numel()
+    dense = n == n_rows  # every row counts: chunks are plain slices, no gathers
+
+    grad_h = grad_w = None
+    if need_h:
+        grad_h = (torch.empty if dense else torch.zeros)(n_rows, dim, dtype=dtype, device=device)
+    if need_w:
+        grad_w = torch.zeros(vocab, dim, dtype=acc, device=device)
+    losses = torch.empty(n, dtype=acc, device=device)
+
+    # Buffers reused by every chunk (a fresh [C, V] per chunk costs page faults on CPU).
+    c_max = min(chunk_size, n)
+    z_buf = torch.empty(c_max, vocab, dtype=acc, device=device)  # logits
+    l_buf = torch.empty_like(z_buf)  # log-probabilities (and p, for fp32 inputs)
+    p_buf = None
+    if low and (need_h or need_w):
+        p_buf = torch.empty(c_max, vocab, dtype=dtype, device=device)
+
+    for s in range(0, n, chunk_size):
+        e = min(s + chunk_size, n)
+        c = e - s
+        if dense:
+            h, t = hidden[s:e], labels[s:e]
+        else:
+            idx = rows[s:e]
+            h, t = hidden.index_select(0, idx), labels.index_select(0, idx)
+        t = t.unsqueeze(1)  # [c, 1]
+
+        z = _logits_fp32(h, weight, z_buf[:c], low, fused_mm)  # [c, V]
+
+        # log-softmax in one fused pass per row (fp32); loss = -log p[t].
+        logp = torch.log_softmax(z, dim=1, out=l_buf[:c])  # [c, V]
+        logp_t = logp.gather(1, t)  # [c, 1]
+        losses[s:e] = logp_t.squeeze(1).neg()
+        if not (need_h or need_w):
+            continue
+
+        # p = softmax - onehot; for bf16, exp writes p rounded once from fp32, and the
+        # target entry p[t] - 1 = expm1(log p[t]) stays accurate when p[t] is near 1.
+        p = torch.exp(logp, out=p_buf[:c] if low else logp)  # [c, V]
+        p.scatter_(1, t, torch.expm1(logp_t).to(p.dtype))
+
+        if need_h:
+            if dense:
+                torch.mm(p, weight, out=grad_h[s:e])
+            else:
+                grad_h.index_copy_(0, idx, torch.mm(p, weight))
+        if need_w:
+            _add_weight_grad(grad_w, p, h, low, fused_addmm)  # grad_w += p.T @ h
+    return losses, rows, grad_h, grad_w
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Sum (or mean) of cross_entropy(hidden @ weight.T, labels), both gradients made in forward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, mean, need_h, need_w):
-        n_rows, dim = hidden.shape
-        vocab = weight.shape[0]
-        dtype, device = hidden.dtype, hidden.device
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        low = dtype in _LOW_PRECISION
-        fused_mm, fused_addmm = _fused_ops(device) if low else (False, False)
-
-        # Ignored rows cost nothing: only the rows that count enter the products.
-        labels = labels.long()
-        if ignore_index is None:  # the caller says every label counts: no scan, no host sync
-            rows, n = None, n_rows
-        else:
-            rows = (labels != ignore_index).nonzero().squeeze(1)  # [n]
-            n = rows.numel()
-        dense = n == n_rows  # every row counts: chunks are plain slices, no gathers
-
-        grad_h = grad_w = None
-        if need_h:
-            grad_h = (torch.empty if dense else torch.zeros)(
-                n_rows, dim, dtype=dtype, device=device
-            )
-        if need_w:
-            grad_w = torch.zeros(vocab, dim, dtype=acc, device=device)
-        losses = torch.empty(n, dtype=acc, device=device)
-
-        # Buffers reused by every chunk (a fresh [C, V] per chunk costs page faults on CPU).
-        c_max = min(chunk_size, n)
-        z_buf = torch.empty(c_max, vocab, dtype=acc, device=device)  # logits
-        l_buf = torch.empty_like(z_buf)  # log-probabilities (and p, for fp32 inputs)
-        p_buf = None
-        if low and (need_h or need_w):
-            p_buf = torch.empty(c_max, vocab, dtype=dtype, device=device)
-
-        for s in range(0, n, chunk_size):
-            e = min(s + chunk_size, n)
-            c = e - s
-            if dense:
-                h, t = hidden[s:e], labels[s:e]
-            else:
-                idx = rows[s:e]
-                h, t = hidden.index_select(0, idx), labels.index_select(0, idx)
-            t = t.unsqueeze(1)  # [c, 1]
-
-            z = _logits_fp32(h, weight, z_buf[:c], low, fused_mm)  # [c, V]
-
-            # log-softmax in one fused pass per row (fp32); loss = -log p[t].
-            logp = torch.log_softmax(z, dim=1, out=l_buf[:c])  # [c, V]
-            logp_t = logp.gather(1, t)  # [c, 1]
-            losses[s:e] = logp_t.squeeze(1).neg()
-            if not (need_h or need_w):
-                continue
-
-            # p = softmax - onehot; for bf16, exp writes p rounded once from fp32, and the
-            # target entry p[t] - 1 = expm1(log p[t]) stays accurate when p[t] is near 1.
-            p = torch.exp(logp, out=p_buf[:c] if low else logp)  # [c, V]
-            p.scatter_(1, t, torch.expm1(logp_t).to(p.dtype))
-
-            if need_h:
-                if dense:
-                    torch.mm(p, weight, out=grad_h[s:e])
-                else:
-                    grad_h.index_copy_(0, idx, torch.mm(p, weight))
-            if need_w:
-                _add_weight_grad(grad_w, p, h, low, fused_addmm)  # grad_w += p.T @ h
-
+        losses, _, grad_h, grad_w = _chunk_pass(
+            hidden, weight, labels, chunk_size, ignore_index, need_h, need_w
+        )
+        n = losses.numel()
         loss = losses.sum()
         if mean and n > 0:
             loss = loss / n
@@ -180,21 +190,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None
 
 
-def chunked_cross_entropy(
-    hidden, weight, labels, *, chunk_size=256, ignore_index=-100, reduction="sum"
-):
-    """cross_entropy(hidden @ weight.T, labels) for hidden [N, H], weight [V, H], labels [N].
-
-    ignore_index=None: every label counts, and the scan for ignored ones (a data-dependent
-    nonzero, which syncs with the host on CUDA and cannot run on fake tensors) is skipped.
-    "sum" returns the sum over non-ignored rows (divide by a global label count yourself);
-    "mean" divides by the local count. With no valid label the loss is 0 and gradients are
-    zero. The loss is float32 (float64 for float64 inputs). weight may be a plain tensor or
-    the gathered lm_head weight of an FSDP2 model; it is read as is, never gathered per chunk.
-    Backward may run more than once (retain_graph), but not create_graph.
-    """
-    if reduction not in ("sum", "mean"):
-        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+def _check_inputs(hidden, weight, labels, chunk_size) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
             f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} "
@@ -211,6 +207,24 @@ def chunked_cross_entropy(
         raise ValueError(f"hidden is {hidden.dtype} but weight is {weight.dtype}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+
+
+def chunked_cross_entropy(
+    hidden, weight, labels, *, chunk_size=256, ignore_index=-100, reduction="sum"
+):
+    """cross_entropy(hidden @ weight.T, labels) for hidden [N, H], weight [V, H], labels [N].
+
+    ignore_index=None: every label counts, and the scan for ignored ones (a data-dependent
+    nonzero, which syncs with the host on CUDA and cannot run on fake tensors) is skipped.
+    "sum" returns the sum over non-ignored rows (divide by a global label count yourself);
+    "mean" divides by the local count. With no valid label the loss is 0 and gradients are
+    zero. The loss is float32 (float64 for float64 inputs). weight may be a plain tensor or
+    the gathered lm_head weight of an FSDP2 model; it is read as is, never gathered per chunk.
+    Backward may run more than once (retain_graph), but not create_graph.
+    """
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    _check_inputs(hidden, weight, labels, chunk_size)
     grad_on = torch.is_grad_enabled()
     return ChunkedCrossEntropy.apply(
         hidden,
@@ -222,6 +236,22 @@ def chunked_cross_entropy(
         grad_on and hidden.requires_grad,
         grad_on and weight.requires_grad,
     )
+
+
+@torch.no_grad()
+def token_losses(hidden, weight, labels, *, chunk_size=256, ignore_index=-100):
+    """Forward only: cross_entropy(hidden @ weight.T, labels, reduction="none"), [N] in float32
+    (float64 for float64 inputs), 0 where the label is ignore_index. No autograd graph, no
+    hidden-state gradient, no lm_head accumulator: two [chunk, V] fp32 buffers and the [N]
+    losses, for evaluation. The losses stay where hidden is: sum them there (per position
+    bucket, say) before anything moves to the host."""
+    _check_inputs(hidden, weight, labels, chunk_size)
+    losses, rows, _, _ = _chunk_pass(
+        hidden, weight, labels, int(chunk_size), ignore_index, need_h=False, need_w=False
+    )
+    if rows.numel() == hidden.shape[0]:
+        return losses
+    return losses.new_zeros(hidden.shape[0]).index_copy_(0, rows, losses)
 
 
 def group_mean_loss(loss_sum, labels, group=None, *, ignore_index=-100):

@@ -4,6 +4,7 @@
     saved = layer_saved_bytes(Qwen3Config.preset("qwen3-8b"), 131_072, sp=8)
     saved[Buffer.MLP_INPUT]                      # bytes of the MLP's saved input on one GPU
     layer_backward_moments(config, 131_072, 8)   # {"MLP backward": {Buffer: bytes}, ...}
+    layer_forward_moments(config, 131_072, 8)    # the same for a forward alone (evaluation)
 
 Buffer names every kind of tensor memory/plan.py counts (these activations, FSDP2's gathered
 units and fp32 buffers, the loss's tensors); its value is only the label shown to users, so the
@@ -73,6 +74,17 @@ class Buffer(str, Enum):
     LM_HEAD_GRAD = "lm_head gradient in the weight's dtype"
     HIDDEN_GRAD_SCALED = "hidden gradient and its scaled copy"
     LAST_LAYER_KEPT = "last layer's input, attention out and lse (attention once, on the device)"
+    # a forward alone (evaluation: no autograd graph, nothing saved)
+    ROW_SLICE = "the row's slice: input ids, labels, positions (int64)"
+    FORWARD_INPUT = "layer input (the residual stream)"
+    QKV_NORMED = "q, k after their norms, v [t, heads, hd]"
+    ROPE_TEMPORARIES = "RoPE temporaries (3 x q; or q rotated and 3 x k)"
+    QKV_ROTATED = "q, k after RoPE, v [t, heads, hd]"
+    ATTN_OUT_BACK = "attention out on its way back: all-to-all send and receive, or its copy"
+    RESIDUAL = "residual stream after attention"
+    MLP_FORWARD = "MLP act, up, product (one tile of them when tiled)"
+    MLP_OUTPUT = "tiled MLP output and a tile's down projection"
+    EVAL_LOSSES = "per-token losses and the counted rows' indices"
 
 
 def _norm_saved(rows: int, dim: int, b: int, fused: bool, input_elsewhere: bool) -> int:
@@ -232,6 +244,113 @@ def layer_backward_moments(
             **_saved_through(saved, Buffer.QK_NORMS),
             **qk,
             Buffer.LAYER_GRADS: 3 * HI + HQ,
+        },
+    }
+
+
+def layer_forward_moments(
+    config: Qwen3Config,
+    tokens: int,
+    sp: int,
+    *,
+    tiled_mlp: bool = True,
+    mlp_tile: int = 8192,
+    compute_bytes: int = 2,
+    norm_chunk: int = RMSNORM_CHUNK_ELEMS,
+) -> dict[str, dict[Buffer, int]]:
+    """The activation bytes of one decoder layer's forward without autograd, at its largest
+    moments. Throughout: the layer input and the RoPE tables.
+      "q norm forward": the normed input, q_proj's output, the q norm's output and its
+        temporaries for one row chunk;
+      "RoPE forward": the normed input, q, k, v after their norms and apply_rope's temporaries
+        (x cos, rotate_half(x) and its product with sin: 3 x q; for k, q rotated and 3 x k);
+      "attention forward": q, k, v rotated, and with sp > 1 at SDPA's layout, SDPA's output and
+        the exchange back (its send and receive buffers); with sp = 1 the output's [t, nh x hd]
+        copy for o_proj instead (the log-sum-exp is freed by then);
+      "post-attention norm forward": the residual stream h, the norm's output and one row
+        chunk of its fp32 temporaries;
+      "MLP forward": the residual stream h, the post-attention norm's output and three
+        [t (or tile), intermediate] tensors at act x up; tiled, the output and one tile's down
+        projection too.
+    Each moment frees what the one before made: nothing is saved for a backward.
+    """
+    c, b, t = config, compute_bytes, tokens
+    H, inter, hd, nh = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads
+    X, Q = t * H * b, t * nh * hd * b
+    K = t * max(c.num_key_value_heads, sp) * hd * b  # k or v at SDPA, one repeated head if sp > nkv
+    Kl = t * c.num_key_value_heads * hd * b  # k or v before the exchange, [t, nkv, hd]
+    rows = min(mlp_tile, t) if tiled_mlp else t
+    # RMSNorm's forward per element of a chunk: its square, then the normalised rows (fp32
+    # inputs: one at a time); for bf16 also the fp32 upcast the two are made from, and the cast.
+    # Per row: the fp32 1/rms of every row, and of the chunk's rows.
+    norm_bytes = 4 if b == 4 else 4 + 4 + b
+    io = {Buffer.FORWARD_INPUT: X, Buffer.ROPE: 2 * t * hd * b}
+    return {
+        "q norm forward": {
+            **io,
+            Buffer.NORMED_INPUT: X,
+            Buffer.QKV_NORMED: 2 * Q,  # q_proj's output and the norm's
+            Buffer.NORM_TEMPORARIES: min(t * nh * hd, norm_chunk) * norm_bytes + 8 * t * nh,
+        },
+        "RoPE forward": {
+            **io,
+            Buffer.NORMED_INPUT: X,
+            Buffer.QKV_NORMED: Q + 2 * Kl,
+            Buffer.ROPE_TEMPORARIES: max(3 * Q, Q + 3 * Kl),
+        },
+        "attention forward": {
+            **io,
+            Buffer.NORMED_INPUT: X,
+            Buffer.QKV_ROTATED: Q + 2 * Kl,
+            Buffer.QKV_AT_SDPA: Q + 2 * K if sp > 1 else 0,
+            Buffer.ATTN_OUT: Q,
+            Buffer.ATTN_OUT_BACK: 2 * Q if sp > 1 else Q,
+        },
+        "post-attention norm forward": {
+            **io,
+            Buffer.RESIDUAL: X,
+            Buffer.POST_NORM: X,
+            Buffer.NORM_TEMPORARIES: min(t * H, norm_chunk) * norm_bytes + 8 * t,
+        },
+        "MLP forward": {
+            **io,
+            Buffer.RESIDUAL: X,
+            Buffer.POST_NORM: X,
+            Buffer.MLP_FORWARD: 3 * rows * inter * b,
+            Buffer.MLP_OUTPUT: X + rows * H * b if tiled_mlp else 0,
+        },
+    }
+
+
+def eval_loss_moments(
+    config: Qwen3Config,
+    tokens: int,
+    *,
+    loss_chunk: int = 256,
+    compute_bytes: int = 2,
+    device: str = "cuda",
+    norm_chunk: int = RMSNORM_CHUNK_ELEMS,
+) -> dict[str, dict[Buffer, int]]:
+    """The end of a forward alone: "final norm forward" (the last layer's output, the hidden
+    states, the RoPE tables and one row chunk of the norm's fp32 temporaries) and "loss forward
+    (evaluation)", loss/chunked_ce.py's token_losses: the hidden states, the fp32 logits and
+    log-probabilities of one chunk (with the chunk's rows gathered, and on CPU a bf16 product),
+    the losses and the counted rows' indices (int64)."""
+    c, b = config, compute_bytes
+    V, H = c.vocab_size, c.hidden_size
+    X, rows = tokens * H * b, min(loss_chunk, tokens)
+    low, fused = b < 4, device == "cuda"
+    return {
+        "final norm forward": {
+            Buffer.FORWARD_INPUT: X,
+            Buffer.ROPE: 2 * tokens * c.head_dim * b,
+            Buffer.HIDDEN: X,
+            Buffer.NORM_TEMPORARIES: 4 * min(tokens * H, norm_chunk) * 4,
+        },
+        "loss forward (evaluation)": {
+            Buffer.HIDDEN: X,
+            Buffer.EVAL_LOSSES: tokens * (8 + 4 + 4),  # indices, losses, the [t] they go into
+            Buffer.LOSS_CHUNK: rows * (V * (8 + (b if low and not fused else 0)) + H * b),
         },
     }
 

@@ -3,6 +3,7 @@
     from memory.plan import plan, max_seq_len
     p = plan(Qwen3Config.preset("qwen3-8b"), 1_048_576, gpus=8, sp=8)
     p.total, p.peak.name, p.host.per_node, p.flops.step_time_s
+    p.eval_total, p.eval_peak.name          # an evaluation's forward alone (run/evaluate.py)
     max_seq_len(Qwen3Config.preset("qwen3-8b"), gpus=8, sp=8, host_mem_gb=2000)
     python -m memory.report --model qwen3-8b --seq-len 1048576   # train.py --dry-run's table
 
@@ -21,9 +22,15 @@ and 0 (where FSDP2's buffers peak), each at four moments (the MLP's, the post-at
 SDPA's, the q/k norms'). The peak is the largest; tests/test_memory_matrix.py checks it against
 the meter within 5% on CPU. Not counted: a layer's forward (the same gathered units, no gradients)
 and the optimizer step (held plus every gradient shard and AdamW's temporaries), which at short
-rows on few GPUs can be larger. device="cuda" adds what a CUDA kernel allocates inside itself
-(FlashAttention's fp32 dq accumulator); fused_norm=False models an RMSNorm left to autograd
-(transformers'), which also saves an fp32 copy of its input and the normalised bf16 tensor.
+rows on few GPUs can be larger. An evaluation (a forward alone, under no_grad: nothing saved, no
+gradients, no checkpointing) is planned apart, as eval_moments on top of the fp32 state (the
+parameter shards and AdamW's states, which exist during a run's evaluations): a layer's forward
+(the layer gathered, and another one: the next one prefetched, or on CPU the all-gather's
+output still held), the final norm with [norm + lm_head] being gathered, and the chunked loss
+without its gradient buffers; Plan.eval_total, at most Plan.total. device="cuda" adds what a CUDA
+kernel allocates inside itself (FlashAttention's fp32 dq accumulator); fused_norm=False models an
+RMSNorm left to autograd (transformers'), which also saves an fp32 copy of its input and the
+normalised bf16 tensor.
 
 Attention once (save_attention, model/checkpoint_offload.py's apply_offload(save_attention=True)):
 each layer's attention output [T, nh/sp, hd] and fp32 log-sum-exp [nh/sp, T] are kept from the
@@ -51,7 +58,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from memory.buffers import Buffer, layer_backward_moments, loss_moments
+from memory.buffers import (
+    Buffer,
+    eval_loss_moments,
+    layer_backward_moments,
+    layer_forward_moments,
+    loss_moments,
+)
 from model.config import PRESETS, Qwen3Config
 from model.host_pool import host_bytes_for
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
@@ -271,9 +284,12 @@ class Moment:
     layer: int | None  # the decoder layer in backward; None in the loss
     gathered: dict[Buffer, int]  # FSDP2's all-gathered bf16 parameters
     working: dict[Buffer, int]  # activations, gradients, temporaries, FSDP2's fp32 buffers
+    forward_only: bool = False  # an evaluation's moment (Plan.eval_moments)
 
     @property
     def phase(self) -> str:
+        if self.forward_only:
+            return "evaluation"
         return "loss" if self.layer is None else "layer backward"
 
     @property
@@ -343,6 +359,7 @@ class Plan:
     host: HostMemory
     cpu_offload_cost: CpuOffloadCost
     flops: Flops
+    eval_moments: tuple[Moment, ...]  # an evaluation's (a forward alone), in the order they come
 
     @property
     def peak(self) -> Moment:
@@ -368,6 +385,17 @@ class Plan:
         """The peak of a run's first step: AdamW creates its states inside that step's
         optimizer.step(), after the backward that makes the peak, so they are not held yet."""
         return self.total - self.held.adamw_states
+
+    @property
+    def eval_peak(self) -> Moment:
+        """An evaluation's largest moment."""
+        return _largest(self.eval_moments)
+
+    @property
+    def eval_total(self) -> int:
+        """An evaluation's peak: the fp32 state (nothing saved from a forward) + its largest
+        moment."""
+        return self.held.param_shards + self.held.adamw_states + self.eval_peak.bytes
 
     @property
     def tokens_per_gpu(self) -> int:
@@ -565,6 +593,49 @@ def _step_moments(
     return tuple(moments)
 
 
+def _eval_moments(c: Qwen3Config, t: int, layout: Layout, o: Options, u: _Units):
+    """A forward alone: a layer's moments with it and one more layer gathered (FSDP2 prefetches
+    the next one on CUDA; on CPU the all-gather's flat output stays until the next gather), the
+    final norm with the [norm + lm_head] unit gathered and its all-gather output, then the loss
+    with that unit and the last layer (not resharded after forward). A tied embedding is the
+    root's, gathered throughout. Every moment holds the row's slice (3 x int64 per token) and
+    the bucket sums (float64 sums, counts and int64 edges of at most 64 buckets)."""
+    b, tied = o.compute_bytes, c.tie_word_embeddings
+    row = {Buffer.ROW_SLICE: 3 * 8 * t + 3 * 8 * 64}
+    staged = u.layer_shard if o.cpu_offload and o.device == "cuda" else 0
+    layer = {
+        Buffer.GATHERED_LAYER: u.layer_gathered * b,
+        Buffer.NEXT_UNIT: u.layer_gathered * b,
+        Buffer.TIED_EMBEDDING: u.emb_gathered * b if tied else 0,
+    }
+    head = {
+        Buffer.GATHERED_HEAD: u.emb_gathered * b,
+        Buffer.GATHERED_LAST_LAYER: u.layer_gathered * b,
+    }
+    forward = layer_forward_moments(
+        c,
+        t,
+        layout.sp,
+        tiled_mlp=o.tiled_mlp,
+        mlp_tile=o.mlp_tile,
+        compute_bytes=b,
+        norm_chunk=o.norm_chunk,
+    )
+    moments = [
+        Moment(name, 0, dict(layer), {**row, **act, Buffer.STAGED_SHARDS: staged}, True)
+        for name, act in forward.items()
+    ]
+    end = eval_loss_moments(
+        c, t, loss_chunk=o.loss_chunk, compute_bytes=b, device=o.device, norm_chunk=o.norm_chunk
+    )
+    for name, act in end.items():
+        gathered = dict(head)
+        if name == "final norm forward" and not tied:
+            gathered[Buffer.NEXT_UNIT] = u.head_gathered * b  # its all-gather's output
+        moments.append(Moment(name, None, gathered, {**row, **act}, True))
+    return tuple(moments)
+
+
 def _host_memory(c: Qwen3Config, layout: Layout, o: Options, x: _PerLayer) -> HostMemory:
     """The pool pins each tensor it moves in fixed-size blocks (model/host_pool.py's
     host_bytes_for), allocated before step 1: every layer's input, or with attention once L-1
@@ -673,6 +744,7 @@ def plan(
         host=_host_memory(config, layout, o, x),
         cpu_offload_cost=_cpu_offload_cost(config, layout, o, u),
         flops=_flops(config, seq_len, layout, o),
+        eval_moments=_eval_moments(config, t, layout, o, u),
     )
 
 

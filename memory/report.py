@@ -86,6 +86,8 @@ def plan_to_dict(p: Plan, *, longest: bool = False, rates: Rates | None = None) 
         "layer": _moment_dict(p.layer),
         "loss": _moment_dict(p.loss),
         "total": p.total,
+        "eval_peak": _moment_dict(p.eval_peak),
+        "eval_total": p.eval_total,
         "tokens_per_gpu": p.tokens_per_gpu,
         "gathered_params": p.gathered_params,
         "naive_saved_inputs": p.naive_saved_inputs,
@@ -108,6 +110,7 @@ def plan_to_dict(p: Plan, *, longest: bool = False, rates: Rates | None = None) 
         "loss": p.loss.working_bytes,
         "held": p.held.bytes,
         "total": p.total,
+        "eval_total": p.eval_total,
     }
     d["gb_per_gpu"] = {k: v / GB for k, v in gb.items()}
     d["host_gb_per_node"] = p.host.per_node / GB
@@ -213,6 +216,11 @@ def _format_gpu(p: Plan) -> list[str]:
             "peak = held + max(layer phase, loss phase)",
             p.total,
             f"(layer {layer.bytes / GB:.2f} | loss {loss.bytes / GB:.2f})",
+        ),
+        _row(
+            "an evaluation: held + a forward alone",
+            p.eval_total,
+            f"(largest in {p.eval_peak.name}; run/evaluate.py)",
         ),
         _row(
             "CUDA context + NCCL buffers (outside torch)",

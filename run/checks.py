@@ -83,6 +83,12 @@ def _rules(c) -> list[tuple[str, bool, str]]:
             "0 (keep all) or a positive count, such as 2",
         ),
         ("max_bad_steps", c.max_bad_steps >= 1, "a positive count, such as 3"),
+        ("eval_rows", c.eval_rows >= 1, "a positive number of rows, such as 1"),
+        (
+            "eval_every",
+            c.eval_every >= -1,
+            "-1 (before the first step and after the last), 0 (off) or a number of steps",
+        ),
         ("gpu_mem_gb", 0 < c.gpu_mem_gb < INF, "a positive number of GB, such as 80"),
         ("sweep", c.dry_run or not c.sweep, "given with --dry-run"),
         ("calibration", c.dry_run or not c.calibration, "given with --dry-run"),
@@ -424,7 +430,11 @@ def check_run(cfg, world: int, local_world: int, *, download: bool = False):
     sp, dp = check_layout(cfg, mc, world, local_world)
     random_init = model_dir is None and cfg.model in MODEL_PRESETS
     check_data(cfg, mc, model_dir, random_init, cfg.steps * cfg.grad_accum * dp)
-    check_host_memory(cfg, mc, world, sp, dp, origin)
+    from run.evaluate import check_eval
+
+    check_eval(cfg, mc, model_dir, random_init, dp)
+    if not cfg.eval_only:  # an evaluation pins no host memory
+        check_host_memory(cfg, mc, world, sp, dp, origin)
     return mc, model_dir, sp, dp
 
 

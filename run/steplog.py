@@ -5,6 +5,8 @@
     log.step(step=1, result=result, lr=1e-5, seconds=12.3, peak_gb=33.1, reserved_gb=34.0,
              offloaded_bytes=b,
              guard=guard)
+    log.write(record, line, scalars)     # another record (an evaluation's), its line, reporters
+    log.say(line)                        # a console line under the bar
     log.close()
     log.first, log.last                  # (step, loss) of this launch's first and last good steps
 
@@ -42,6 +44,7 @@ class StepLog:
         peak_tflops: float | None,
         flops_per_step: float,
         world: int,
+        progress: bool = True,
     ) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
         # A fresh run's first step has no AdamW states yet (torch makes them in its optimizer
@@ -76,7 +79,7 @@ class StepLog:
             unit="step",
             dynamic_ncols=True,
             file=sys.stderr,
-            disable=not sys.stderr.isatty(),
+            disable=not (progress and sys.stderr.isatty()),
         )
 
     def step(
@@ -105,6 +108,20 @@ class StepLog:
         self.reporter.log(record, step)
         self.bar.write(self.console_line(record, offloaded_bytes))
         self.bar.update(1)
+
+    def write(self, record: dict, line: str, scalars: dict | None = None) -> None:
+        """Rank 0: `record` into the metrics file, `line` to the console, and to the reporters
+        `scalars` (at record["step"]), or the record's own numbers without them."""
+        if self.rank != 0:
+            return
+        print(json.dumps(record), file=self.file, flush=True)
+        self.reporter.log(record if scalars is None else scalars, record["step"])
+        self.say(line)
+
+    def say(self, line: str) -> None:
+        """Rank 0: one console line, written above the progress bar."""
+        if self.rank == 0:
+            self.bar.write(line)
 
     def record(self, step: int, result, lr: float, seconds: float, peak_gb, reserved_gb) -> dict:
         tokens_per_s = result.tokens / seconds

@@ -40,6 +40,8 @@ PRELOAD = [
     "torch.distributed.checkpoint",
     "transformers",
     "train",
+    "matplotlib.figure",  # run/evaluate.py's picture, drawn at the end of most runs
+    "matplotlib.backends.backend_agg",
 ]
 
 

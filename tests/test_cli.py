@@ -12,6 +12,7 @@ import re
 
 import pytest
 from dist_utils import run_train
+from test_train import eval_records
 from test_train import metrics as _metrics
 
 import train
@@ -198,3 +199,11 @@ def test_tensorboard_has_the_losses_of_metrics_jsonl(demo):
         assert [e.value for e in events] == pytest.approx([r[field] for r in m], rel=1e-6), (
             field
         )  # float32
+    evals = eval_records(out)  # before the first step and after the last, each bucket too
+    events = acc.Scalars("eval_loss")
+    assert [e.step for e in events] == [r["step"] for r in evals] == [0, STEPS]
+    assert [e.value for e in events] == pytest.approx([r["eval_loss"] for r in evals], rel=1e-6)
+    last_bucket = acc.Scalars("eval_loss_by_position/000000256-000000512")
+    assert [e.value for e in last_bucket] == pytest.approx(
+        [r["loss_by_position"][-1][2] for r in evals], rel=1e-6
+    )

@@ -69,8 +69,9 @@ def ok(p):
 
 
 def metrics(out):
+    """The step records (not the evaluations')."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if not r.get("eval")]
 
 
 def tiny_run(out, *extra):

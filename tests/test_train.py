@@ -35,8 +35,14 @@ CFG = Qwen3Config(
 
 
 def metrics(out_dir) -> list[dict]:
+    """The step records of a run's metrics.jsonl (eval_records has its evaluations')."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if not r.get("eval")]
+
+
+def eval_records(out_dir) -> list[dict]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("eval")]
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +167,8 @@ def test_resume_is_exact_and_saved_model_loads_in_transformers(setup):
         "2",
         "--loss-chunk",
         "16",
+        "--eval-every",
+        "2",
     ]
     run_train(2, *args, "--steps", "4", "--out", str(d / "straight"), "--save-dtype", "float32")
     run_train(
@@ -192,6 +200,10 @@ def test_resume_is_exact_and_saved_model_loads_in_transformers(setup):
     resumed = [m["loss"] for m in metrics(d / "resumed")]
     print("straight", straight, "\nresumed ", resumed)
     assert len(straight) == 4 and resumed == straight
+    # the evaluations too: step 2's made once (by the launch that stopped there), none repeated
+    straight, resumed = eval_records(d / "straight"), eval_records(d / "resumed")
+    assert [r["step"] for r in resumed] == [0, 2, 4]
+    assert [r["eval_loss"] for r in resumed] == [r["eval_loss"] for r in straight]
 
     import transformers
 
@@ -271,3 +283,26 @@ def test_demo_learns_across_shards(tmp_path):
     )
     # a from-scratch init on a 2-rank CPU mesh is where DTensor's RNG warning fired (run/quiet.py)
     assert "DTensor random operators" not in p.stderr
+    # held-out rows (seed 2), every label counted: before training every bucket sits at ln 64;
+    # after it the repeated half [256, 512) is near 0, while on the random first half, which no
+    # label taught (--loss-on predictable), the model is confidently wrong: far above ln 64
+    before, after = eval_records(tmp_path / "demo")
+    for r in (before, after):
+        print(
+            f"eval at step {r['step']}:",
+            [(b[0], b[1], round(b[2], 4)) for b in r["loss_by_position"]],
+        )
+    ln64 = np.log(64)
+    assert (before["step"], after["step"]) == (0, 400)
+    assert [b[:2] for b in after["loss_by_position"]] == [
+        [0, 64],
+        [64, 128],
+        [128, 256],
+        [256, 512],
+    ]
+    assert all(abs(b[2] - ln64) < 0.1 for b in before["loss_by_position"])
+    assert after["loss_by_position"][3][2] < 0.5
+    assert all(b[2] > ln64 for b in after["loss_by_position"][:3])
+    assert (tmp_path / "demo" / "loss_by_position.png").stat().st_size > 0
+    assert f"step 0 -> step 400: {tmp_path / 'demo' / 'loss_by_position.png'}" in p.stdout
+    assert "warning: eval loss past" not in p.stdout  # the configuration check stays silent
