@@ -251,6 +251,7 @@ def part_cpu_offload(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     model, tokens, steps = g.offload_run
     run = Path(tempfile.mkdtemp()) / "run"
     args = f"--model {model} --data synthetic:copy --cpu-offload --seq-len {tokens} --steps {steps}"
+    args += " --eval-every 0"  # the steps alone: this part times a step, not an evaluation
     cmd = [sys.executable, "train.py", *args.split(), "--no-save-final", "--out", str(run)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit_s)
     if p.returncode:
