@@ -11,6 +11,7 @@
 The demo's picture and its curves are checked in test_train.py's demo test.
 """
 
+import importlib.util
 import json
 
 import numpy as np
@@ -23,6 +24,8 @@ from test_train import CFG, eval_records, metrics
 
 from model.config import Qwen3Config
 from run.evaluate import bucket_edges
+
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 SEQ = 256  # buckets [0, 32), [32, 64), [64, 128), [128, 256): sp 2 and 4 split them differently
 
@@ -89,7 +92,8 @@ def test_eval_only_matches_transformers_at_every_layout(held):
         sp = int(flags[1])
         assert f"on sp {sp} x dp {n // sp}," in p.stdout
         assert_matches(rec, ref, rows[:3])
-        assert (out / "loss_by_position.png").stat().st_size > 0
+        if HAVE_MATPLOTLIB:  # else the text table (test_text_table_without_matplotlib_...)
+            assert (out / "loss_by_position.png").stat().st_size > 0
 
 
 @pytest.mark.slow

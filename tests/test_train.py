@@ -7,6 +7,7 @@ One set of one-step runs on the same token file serves two checks:
   * every layout leaves the same updated parameters as one process.
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -303,6 +304,7 @@ def test_demo_learns_across_shards(tmp_path):
     assert all(abs(b[2] - ln64) < 0.1 for b in before["loss_by_position"])
     assert after["loss_by_position"][3][2] < 0.5
     assert all(b[2] > ln64 for b in after["loss_by_position"][:3])
-    assert (tmp_path / "demo" / "loss_by_position.png").stat().st_size > 0
-    assert f"step 0 -> step 400: {tmp_path / 'demo' / 'loss_by_position.png'}" in p.stdout
+    if importlib.util.find_spec("matplotlib") is not None:  # else the same numbers as a table
+        assert (tmp_path / "demo" / "loss_by_position.png").stat().st_size > 0
+        assert f"step 0 -> step 400: {tmp_path / 'demo' / 'loss_by_position.png'}" in p.stdout
     assert "warning: eval loss past" not in p.stdout  # the configuration check stays silent
