@@ -875,6 +875,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
     # MFU counts model FLOPs the usual way: no recomputation (ours is overhead), backward = 2x
     # forward.
     flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
+    guard = NonFiniteGuard(cfg.max_bad_steps)
     log = StepLog(
         cfg,
         rank,
@@ -883,8 +884,8 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         peak_tflops=peak_tflops(device),
         flops_per_step=flops,
         world=world,
+        guard=guard,
     )
-    guard = NonFiniteGuard(cfg.max_bad_steps)
     measure = cfg.measure_memory or device.type == "cuda"
     end = min(cfg.steps, start + cfg.stop_after) if cfg.stop_after else cfg.steps
     saved_at, done, stopped_by_signal, t_run = start, start, False, time.perf_counter()
@@ -923,7 +924,6 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
             peak_gb=peak_gb,
             reserved_gb=reserved_gb,
             offloaded_bytes=offloaded,
-            guard=guard,
         )
         if guard.tripped:  # the weights are still the last good step's: keep them
             raise RunStopped(guard.message(checkpoint(done)))

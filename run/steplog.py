@@ -1,10 +1,9 @@
 """What each training step leaves behind: one record in metrics.jsonl, one console line, reporters.
 
     log = StepLog(cfg, rank, start=0, planned_peak_gb=(26.3, 34.5), peak_tflops=989.0,
-                  flops_per_step=f)          # planned: (a fresh run's first step, any other)
+                  flops_per_step=f, guard=guard)  # planned: (a fresh run's first step, any other)
     log.step(step=1, result=result, lr=1e-5, seconds=12.3, peak_gb=33.1, reserved_gb=34.0,
-             offloaded_bytes=b,
-             guard=guard)
+             offloaded_bytes=b)
     log.write(record, line, scalars)     # another record (an evaluation's), its line, reporters
     log.say(line)                        # a console line under the bar
     log.close()
@@ -45,8 +44,10 @@ class StepLog:
         flops_per_step: float,
         world: int,
         progress: bool = True,
+        guard=None,
     ) -> None:
         self.cfg, self.rank, self.world = cfg, rank, world
+        self.guard = guard  # the run's NonFiniteGuard, updated with each step before step()
         # A fresh run's first step has no AdamW states yet (torch makes them in its optimizer
         # step, after the peak); a resumed run loads them, so its first step is like any other.
         self.planned_first_gb, self.planned_gb = planned_peak_gb
@@ -92,11 +93,8 @@ class StepLog:
         peak_gb,
         reserved_gb,
         offloaded_bytes,
-        guard,
     ):
-        """Note a finished step (1-based `step`) and, on rank 0, write its record and line.
-        `guard` is the run's NonFiniteGuard, already updated with this step."""
-        self.guard = guard
+        """Note a finished step (1-based `step`) and, on rank 0, write its record and line."""
         if not result.skipped:
             self.first = self.first or (step, result.loss)
             self.last = (step, result.loss)
