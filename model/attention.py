@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 __all__ = [
     "BACKENDS",
@@ -83,6 +84,13 @@ def _torch_can_use(
         return dtype.is_floating_point
     if device.type == "cuda" and not torch.cuda.is_available():
         return False
+    # On real tensors even under FakeTensorMode (train.py --rehearse): asked about fake ones,
+    # torch answers "math" for every shape, whose [T, T] scores a rehearsal would then count.
+    with unset_fake_temporarily():
+        return _torch_checks(name, device, dtype, nh, nkv, hd)
+
+
+def _torch_checks(name, device, dtype, nh, nkv, hd) -> bool:
     shape = (1, 128, hd)  # the checks look at heads, head_dim, dtype, layout: not at the length
     q, k, v = (
         torch.zeros(shape[0], h, *shape[1:], device=device, dtype=dtype, requires_grad=True)
