@@ -19,15 +19,16 @@ tensor's first dimension to a multiple of the world size). The step is a sequenc
 a set of typed buffers (Buffer) on top of what is held throughout (Held: the fp32 state and saved
 inputs kept on the GPU): the loss in forward and in backward, then the backward of layers L-1, 1
 and 0 (where FSDP2's buffers peak), each at four moments (the MLP's, the post-attention norm's,
-SDPA's, the q/k norms'). The peak is the largest; tests/test_memory_matrix.py checks it against
-the meter within 5% on CPU. Not counted: a layer's forward (the same gathered units, no gradients)
-and the optimizer step (held plus every gradient shard and AdamW's temporaries), which at short
-rows on few GPUs can be larger. An evaluation (a forward alone, under no_grad: nothing saved, no
-gradients, no checkpointing) is planned apart, as eval_moments on top of the fp32 state (the
-parameter shards and AdamW's states, which exist during a run's evaluations): a layer's forward
-(the layer gathered, and another one: the next one prefetched, or on CPU the all-gather's
-output still held), the final norm with [norm + lm_head] being gathered, and the chunked loss
-without its gradient buffers; Plan.eval_total, at most Plan.total. device="cuda" adds what a CUDA
+SDPA's, the q/k norms'), and the optimizer step (held and every gradient shard). The peak is the
+largest; tests/test_memory_matrix.py checks it against the meter within 5% on CPU. Not counted: a
+layer's forward (the same gathered units, no gradients). The first step has no AdamW states until
+its optimizer step creates them (Plan.first_step_total). An evaluation (a forward alone, under
+no_grad: nothing saved, no gradients, no checkpointing) is planned apart, as eval_moments on top
+of the fp32 state (the parameter shards and AdamW's states, which exist during a run's
+evaluations): a layer's forward (the layer gathered, and another one: the next one prefetched,
+or on CPU the all-gather's output still held), the final norm with [norm + lm_head] being
+gathered, and the chunked loss without its gradient buffers; Plan.eval_total, at most
+Plan.total. device="cuda" adds what a CUDA
 kernel allocates inside itself (FlashAttention's fp32 dq accumulator); fused_norm=False models an
 RMSNorm left to autograd (transformers'), which also saves an fp32 copy of its input and the
 normalised bf16 tensor.
@@ -377,14 +378,24 @@ class Plan:
 
     @property
     def total(self) -> int:
-        """The peak: held + the largest moment."""
-        return self.held.bytes + self.peak.bytes
+        """The peak: held + the largest moment, or the optimizer step where that is larger."""
+        return max(self.held.bytes + self.peak.bytes, self.optimizer_step)
+
+    @property
+    def optimizer_step(self) -> int:
+        """What optimizer.step() holds: Plan.held and every fp32 gradient shard, the activations
+        gone. It is the step's peak only where parameters outweigh activations; at a run's first
+        step it can be, because AdamW creates its states there, after the backward (Qwen3-32B on
+        8 GPUs at 1M tokens: 65.5 GB, against the first backward's 64.3 GB)."""
+        grads = 0 if self.options.cpu_offload else self.state.grads
+        return self.held.bytes + grads
 
     @property
     def first_step_total(self) -> int:
-        """The peak of a run's first step: AdamW creates its states inside that step's
-        optimizer.step(), after the backward that makes the peak, so they are not held yet."""
-        return self.total - self.held.adamw_states
+        """The peak of a run's first step: AdamW's states exist only from its optimizer.step() on,
+        so the backward runs without them."""
+        first_backward = self.held.bytes - self.held.adamw_states + self.peak.bytes
+        return max(first_backward, self.optimizer_step)
 
     @property
     def eval_peak(self) -> Moment:
