@@ -61,7 +61,7 @@ from model.attention import (
     set_backend,
 )
 from model.attention_probe import probe_kernel
-from model.checkpoint_offload import apply_offload
+from model.checkpoint_offload import apply_offload, offloaded_tensors
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
 from model.parallel import build_mesh, build_sharded_model, ulysses_group
@@ -744,21 +744,13 @@ def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
 
 def reserve_host_blocks(pool, cfg, mc, sp, dtype, device, save_attention: bool) -> None:
     """Pin every host block the steps will use now: pinning takes seconds and synchronises, so
-    no step should do it. Each layer keeps its input [1, T/sp, hidden]; with attention once it
-    also keeps attention's output [1, T, heads/sp, head_dim] and lse [1, heads/sp, T], except the
-    last layer, whose backward comes first and so keeps its tensors on the device."""
-    tokens_per_rank = math.ceil(cfg.seq_len / sp)
-    padded_row = tokens_per_rank * sp
-    heads = mc.num_attention_heads // sp
-    layers = mc.num_hidden_layers - save_attention
-    saved = [((1, tokens_per_rank, mc.hidden_size), dtype)]
-    if save_attention:
-        saved.append(((1, padded_row, heads, mc.head_dim), dtype))
-        saved.append(((1, heads, padded_row), torch.float32))
+    no step should do it. The blocks hold model/checkpoint_offload.py's offloaded_tensors: each
+    layer's input, or with attention once the input, out and lse of all layers but the last."""
+    saved = offloaded_tensors(mc, cfg.seq_len, sp, dtype=dtype, save_attention=save_attention)
     show_progress = dist.get_rank() == 0 and sys.stderr.isatty()
     pinned = blocks = seconds = 0
-    for shape, saved_dtype in saved:
-        r = pool.reserve(layers, shape, saved_dtype, device, progress=show_progress)
+    for kind in saved:
+        r = pool.reserve(kind.count, kind.shape, kind.dtype, device, progress=show_progress)
         pinned, blocks, seconds = (
             pinned + r["pinned_bytes"],
             blocks + r["blocks"],

@@ -14,8 +14,9 @@ time runs smaller (one layer stack, not two; the attention at a shorter length s
 is skipped with the reason. Each part records its peak allocated and reserved memory and the
 device memory outside torch's allocator (the CUDA context). Projected, not measured: step =
 layers x (layer without attention + attention fwd + bwd) + loss + all-to-all
-(bench_attention.exchange_volumes at --nvlink-gbps) + optimizer; the peak per GPU is the
-planner's with the measured one-layer working set and loss.
+(bench_attention.exchange_volumes at --nvlink-gbps) + optimizer, memory/steptime.py's
+MeasuredParts.step_s; the peak per GPU is the planner's with the measured one-layer working set
+and loss.
 """
 
 import argparse
@@ -45,6 +46,7 @@ from bench.timer import measure
 from memory.buffers import Buffer
 from memory.plan import load_config, param_shapes, plan, shard_numel, step_flops
 from memory.report import PUBLIC_RECIPE
+from memory.steptime import measured_parts
 from model.attention import attention, pick_backend, set_backend, torch_cudnn_gate
 from model.attention_probe import PROBE_TOKENS, check_attention, probe_kernel, training_layout
 
@@ -329,16 +331,17 @@ def project(res: dict, g: Geometry, nvlink_gbps: float, peak_tflops: float, esiz
     out.update(planner_flops=p.flops.step, planner_floor_s=p.flops.step_time_s)
     out.update(planner_peak_gb=p.total / GB, planner_host_gb_per_node=p.host.per_node / GB)
     out["public_recipe"] = dict(PUBLIC_RECIPE)
-    missing = [k for k in ("loss", "layers", "attention", "optimizer") if res[k]["status"] != "ok"]
-    if missing:
-        return {**out, "status": f"not projected: {', '.join(missing)} did not run", "step_s": None}
-    lay, att, loss, opt = (res[k] for k in ("layers", "attention", "loss", "optimizer"))
-    t = {"layers": L, "layer_nonattn_s": lay["per_layer_nonattn_s"]}
-    t.update(attention_s=att["fwd_s"] + att["bwd_s"], loss_s=loss["time_s"])
-    t.update(a2a_s=res["exchange"]["projected_s_per_step"], optimizer_s=opt["time_s"])
-    layer_s = t["layer_nonattn_s"] + t["attention_s"]
-    # the all-to-alls sit on the critical path (attention waits for them): added
-    step = L * layer_s + t["loss_s"] + t["a2a_s"] + t["optimizer_s"]
+    parts = measured_parts(res)
+    if parts.missing:
+        missing = ", ".join(n for n in PARTS if n in parts.missing)
+        return {**out, "status": f"not projected: {missing} did not run", "step_s": None}
+    lay, att, loss = (res[k] for k in ("layers", "attention", "loss"))
+    a2a_s = res["exchange"]["projected_s_per_step"]
+    t = {"layers": L, "layer_nonattn_s": parts.layer_nonattn_s}
+    t.update(attention_s=parts.attention_s, loss_s=parts.loss_s)
+    t.update(a2a_s=a2a_s, optimizer_s=parts.optimizer_s)
+    layer_s = parts.layer_s
+    step = parts.step_s(L, a2a_s)  # the all-to-alls sit on the critical path: added
     n = cfg.num_params()  # FSDP2: bf16 all-gathers in forward and backward, fp32 reduce-scatter
     fsdp_bytes = (2 * n * 2 + n * 4) * (gpus - 1) / gpus
     out.update(status="ok", terms=t, layer_s=layer_s, step_s=step, a2a_s=t["a2a_s"])
@@ -347,7 +350,7 @@ def project(res: dict, g: Geometry, nvlink_gbps: float, peak_tflops: float, esiz
         f"{t['a2a_s']:.4f} + {t['optimizer_s']:.4f} = {step:.4g} s"
     )
     out.update(attention_share=L * t["attention_s"] / step, backend=att["backend"])
-    out["step_s_attention_recomputed"] = step + L * att["fwd_s"]  # one more forward per layer
+    out["step_s_attention_recomputed"] = parts.step_s(L, a2a_s, save_attention=False)
     out["implied_mfu"] = p.flops.step / (gpus * peak_tflops * 1e12 * step)
     out["vs_public_recipe"] = PUBLIC_RECIPE["step_time_s"] / step
     out["fsdp_collectives_s"] = fsdp_bytes / (nvlink_gbps * GB)  # overlapped: not added

@@ -59,6 +59,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import torch
+
 from memory.buffers import (
     Buffer,
     eval_loss_moments,
@@ -66,6 +68,7 @@ from memory.buffers import (
     layer_forward_moments,
     loss_moments,
 )
+from model.checkpoint_offload import OffloadedTensor, offloaded_tensors
 from model.config import PRESETS, Qwen3Config
 from model.host_pool import host_bytes_for
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
@@ -91,6 +94,9 @@ NCCL_GB_PER_COMMUNICATOR = 1.6
 # Kernels index with 32-bit integers in places: an attention tensor past 2^31 elements (q, out and
 # their gradients hold T x heads/sp x head_dim each) runs where no test of theirs may have.
 INT32_ELEMENTS = 2**31
+# A dtype of each compute_bytes, for model/checkpoint_offload.py's offloaded_tensors: the plan
+# counts bytes only, so any dtype of that size gives the same figures.
+DTYPE_OF_BYTES = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
 # ---- parameters ------------------------------------------------------------------------------
@@ -237,6 +243,10 @@ class Options:
         for name in ("loss_chunk", "compute_bytes", "master_bytes", "tflops"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.compute_bytes not in DTYPE_OF_BYTES:
+            raise ValueError(
+                f"compute_bytes must be one of {sorted(DTYPE_OF_BYTES)}, got {self.compute_bytes}"
+            )
         if not 0 < self.mfu <= 1:
             raise ValueError(f"mfu must be in (0, 1], got {self.mfu}")
         if self.save_attention not in (True, False):
@@ -500,8 +510,10 @@ def check_layout(
 
 @dataclass(frozen=True)
 class _PerLayer:
-    """A layer's tensors the offload pool may move, per GPU, and whether it moves them."""
+    """A layer's tensors the offload pool may move, per GPU, and whether it moves them; kinds:
+    model/checkpoint_offload.py's offloaded_tensors, their shapes and how many layers move them."""
 
+    kinds: tuple[OffloadedTensor, ...]
     input: int  # [t, H] in the compute dtype
     attn_out: int  # [T, nh/sp, hd] in the compute dtype, kept with attention once (else 0)
     attn_lse: int  # [nh/sp, T] fp32, kept with attention once (else 0)
@@ -510,16 +522,19 @@ class _PerLayer:
     lse_moved: bool
 
 
-def _per_layer(c: Qwen3Config, t: int, o: Options) -> _PerLayer:
-    x = t * c.hidden_size * o.compute_bytes
-    kept = o.save_attention
-    out = t * c.num_attention_heads * c.head_dim * o.compute_bytes if kept else 0
-    lse = t * c.num_attention_heads * 4 if kept else 0
+def _pool_takes(o: Options, n: int) -> bool:
+    """Whether the pool moves a tensor of n bytes: it takes those of offload_min_bytes or more."""
+    return o.offload and n >= o.offload_min_bytes
 
-    def moved(n: int) -> bool:  # the pool takes tensors of offload_min_bytes or more
-        return o.offload and n >= o.offload_min_bytes
 
-    return _PerLayer(x, out, lse, moved(x), moved(out), moved(lse))
+def _per_layer(c: Qwen3Config, seq_len: int, sp: int, o: Options) -> _PerLayer:
+    dtype = DTYPE_OF_BYTES[o.compute_bytes]
+    kinds = offloaded_tensors(c, seq_len, sp, dtype=dtype, save_attention=o.save_attention)
+    first, *attention = kinds
+    x = first.nbytes
+    out, lse = (kind.nbytes for kind in attention) if attention else (0, 0)
+    moved = [_pool_takes(o, n) for n in (x, out, lse)]
+    return _PerLayer(tuple(kinds), x, out, lse, *moved)
 
 
 def _fsdp_at_layer(c: Qwen3Config, o: Options, u: _Units, i: int) -> tuple[dict, dict]:
@@ -649,23 +664,23 @@ def _eval_moments(c: Qwen3Config, t: int, layout: Layout, o: Options, u: _Units)
 
 def _host_memory(c: Qwen3Config, layout: Layout, o: Options, x: _PerLayer) -> HostMemory:
     """The pool pins each tensor it moves in fixed-size blocks (model/host_pool.py's
-    host_bytes_for), allocated before step 1: every layer's input, or with attention once L-1
-    layers' input, out and lse. CPU offload pins the parameter and gradient shards one buffer per
-    parameter (AdamW's zeros_like states are pageable)."""
-    L, mb = c.num_hidden_layers, o.master_bytes
-    moved = L - 1 if o.save_attention else L
-    inputs = moved * host_bytes_for(x.input) if x.input_moved else 0
-    attention = (L - 1) * (
-        (host_bytes_for(x.attn_out) if x.out_moved else 0)
-        + (host_bytes_for(x.attn_lse) if x.lse_moved else 0)
-    )
+    host_bytes_for), allocated before step 1: model/checkpoint_offload.py's offloaded_tensors,
+    every layer's input, or with attention once L-1 layers' input, out and lse. CPU offload pins
+    the parameter and gradient shards one buffer per parameter (AdamW's zeros_like states are
+    pageable)."""
+    mb = o.master_bytes
+    first, *attention_kinds = x.kinds
+
+    def pinned(kind: OffloadedTensor) -> int:  # in whole blocks, where the pool takes it
+        return kind.count * host_bytes_for(kind.nbytes) if _pool_takes(o, kind.nbytes) else 0
+
+    inputs = pinned(first)
+    attention = sum(pinned(kind) for kind in attention_kinds)
     state = 0
     if o.cpu_offload:
         numels = [shard_numel(s, layout.gpus) for s in param_shapes(c).values()]
         state = sum(2 * host_pinned_bytes(n * mb) + 2 * n * mb for n in numels)
-    copied = (moved * x.input if x.input_moved else 0) + (L - 1) * (
-        (x.attn_out if x.out_moved else 0) + (x.attn_lse if x.lse_moved else 0)
-    )
+    copied = sum(kind.count * kind.nbytes for kind in x.kinds if _pool_takes(o, kind.nbytes))
     node = layout.gpus_per_node
     return HostMemory(
         saved_inputs_per_gpu=inputs,
@@ -734,7 +749,7 @@ def plan(
     )
     layout = Layout(gpus, sp, dp, gpus_per_node or min(gpus, 8))
     t, L = seq_len // sp, config.num_hidden_layers
-    u, x = _units(config, gpus, o.master_bytes), _per_layer(config, t, o)
+    u, x = _units(config, gpus, o.master_bytes), _per_layer(config, seq_len, sp, o)
     state = ShardedState(u.all_shards, u.all_shards, 2 * u.all_shards)
     held = Held(
         param_shards=0 if o.cpu_offload else state.params,

@@ -7,6 +7,7 @@ first one starts, projected from the plan before any GPU is rented.
     t = project(p)            # H100 kernels at the public runs' rate: about 283 s (floor 151 s)
     t.step_s, t.floor_s, [(ph.name, ph.time_s, ph.bound) for ph in t.phases]
     project(p, read_calibration("gpu_check.json")).step_s  # the rates one GPU measured instead
+    measured_parts(json.load(f)).step_s(36, a2a_s)  # gpu_check's own sum of the parts it timed
     startup(p).time_s         # start, weights from disk, host blocks pinned: before step 1
     python -m memory.steptime # the model against the public runs' measured steps
 
@@ -186,6 +187,58 @@ def params_per_gpu(config: Qwen3Config, gpus: int) -> int:
     return sum(shard_numel(s, gpus) for s in param_shapes(config).values())
 
 
+# bench/gpu_check.py's parts whose seconds make a step
+CALIBRATION_PARTS = ("layers", "attention", "loss", "optimizer")
+
+
+@dataclass(frozen=True)
+class MeasuredParts:
+    """The seconds of a step's parts bench/gpu_check.py measured on one GPU at its shape (model,
+    seq_len over sp GPUs, attention once); None where a part did not run ("ok") or left it out."""
+
+    layer_nonattn_s: float | None  # one layer besides its attention: forward, recompute, backward
+    attention_fwd_s: float | None  # one sp rank's attention over seq_len tokens, nh/sp heads
+    attention_bwd_s: float | None
+    loss_s: float | None  # the chunked loss at seq_len/sp tokens
+    optimizer_s: float | None  # clipping and AdamW over one rank's shards
+    missing: tuple[str, ...]  # the CALIBRATION_PARTS that did not run
+
+    @property
+    def attention_s(self) -> float:
+        """A layer's attention with attention once: its forward and backward, no recompute."""
+        return self.attention_fwd_s + self.attention_bwd_s
+
+    @property
+    def layer_s(self) -> float:
+        return self.layer_nonattn_s + self.attention_s
+
+    def step_s(self, layers: int, exchange_s: float, save_attention: bool = True) -> float:
+        """The step at gpu_check's shape from its parts: layers x (layer without attention +
+        attention forward + backward) + loss + the all-to-alls (exchange_s, on the critical path)
+        + optimizer; recomputing attention (save_attention=False) adds its forward once more per
+        layer. project(the plan at that shape, read_calibration) agrees where no transfer outlasts
+        the compute beside it (tests/test_steptime.py)."""
+        step = layers * self.layer_s + self.loss_s + exchange_s + self.optimizer_s
+        return step if save_attention else step + layers * self.attention_fwd_s
+
+
+def measured_parts(d: dict) -> MeasuredParts:
+    """The part seconds of a bench/gpu_check.py result (its JSON, read, or the dict it writes):
+    layers.per_layer_nonattn_s, attention.fwd_s and .bwd_s, loss.time_s, optimizer.time_s, each
+    of a part with status "ok"."""
+    part = {k: d.get(k) or {} for k in CALIBRATION_PARTS}
+    ran = {k: v for k, v in part.items() if v.get("status") == "ok"}
+    layers, attention = ran.get("layers", {}), ran.get("attention", {})
+    return MeasuredParts(
+        layer_nonattn_s=layers.get("per_layer_nonattn_s"),
+        attention_fwd_s=attention.get("fwd_s"),
+        attention_bwd_s=attention.get("bwd_s"),
+        loss_s=ran.get("loss", {}).get("time_s"),
+        optimizer_s=ran.get("optimizer", {}).get("time_s"),
+        missing=tuple(k for k in CALIBRATION_PARTS if k not in ran),
+    )
+
+
 def read_calibration(path: str, base: Rates | None = None) -> Rates:
     """Rates measured by bench/gpu_check.py on one GPU, read from the JSON it writes; what it did
     not measure (a part that did not run, the links, the disk, the start) stays as `base` has it.
@@ -210,28 +263,22 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
     L, t = config.num_hidden_layers, seq_len // sp
     local = kernel_flops(config, t, save_attention=True)  # per GPU, the layer stack's shape
     row = kernel_flops(config, seq_len, save_attention=True)  # one sp rank's attention: / sp
-    part = {k: d.get(k) or {} for k in ("layers", "attention", "loss", "optimizer")}
-    ok = {k: v.get("status") == "ok" for k, v in part.items()}
+    part = {k: d.get(k) or {} for k in CALIBRATION_PARTS}
+    s = measured_parts(d)
     rates = {}
 
     def take(name: str, value: float, seconds) -> None:  # value / seconds, if seconds is one
         if isinstance(seconds, (int, float)) and seconds > 0 and math.isfinite(seconds):
             rates[name] = value / seconds
 
-    if ok["layers"]:
-        nonattn = part["layers"].get("per_layer_nonattn_s")
-        take("matmul_tflops", ATTENTION_ONCE_PASSES * local.dense_fwd / L / 1e12, nonattn)
-    if ok["attention"]:
-        fwd, bwd = (part["attention"].get(k) for k in ("fwd_s", "bwd_s"))
-        take("attention_fwd_tflops", row.attention_fwd / L / sp / 1e12, fwd)
-        take("attention_bwd_tflops", row.attention_bwd / L / sp / 1e12, bwd)
-    if ok["loss"]:
-        take("loss_tflops", local.loss / 1e12, part["loss"].get("time_s"))
-    if ok["optimizer"]:
-        take("adamw_params_per_s", params_per_gpu(config, sp), part["optimizer"].get("time_s"))
-        if "adamw_params_per_s" in rates:
-            rates["adamw_s_per_param"] = 1 / rates.pop("adamw_params_per_s")
-    stacks = (part["layers"].get("runs") or {}).values() if ok["layers"] else ()
+    take("matmul_tflops", ATTENTION_ONCE_PASSES * local.dense_fwd / L / 1e12, s.layer_nonattn_s)
+    take("attention_fwd_tflops", row.attention_fwd / L / sp / 1e12, s.attention_fwd_s)
+    take("attention_bwd_tflops", row.attention_bwd / L / sp / 1e12, s.attention_bwd_s)
+    take("loss_tflops", local.loss / 1e12, s.loss_s)
+    take("adamw_params_per_s", params_per_gpu(config, sp), s.optimizer_s)
+    if "adamw_params_per_s" in rates:
+        rates["adamw_s_per_param"] = 1 / rates.pop("adamw_params_per_s")
+    stacks = (part["layers"].get("runs") or {}).values() if "layers" not in s.missing else ()
     pins = [r for r in stacks if (r.get("reserve_s") or 0) > 0 and (r.get("pinned_mib") or 0) > 0]
     if pins:
         r = max(pins, key=lambda r: r["pinned_mib"])

@@ -5,7 +5,8 @@ piece in your own code" applies offload_layers to transformers' Qwen3ForCausalLM
 
     pool = apply_offload(model, tile_mlp=8192)    # every model.model.layers[i], in place
     offload_layers(hf_model.model.layers, pool)   # or any list of decoder layers, any pool
-    pool.reserve(36, (1, T, hidden), torch.bfloat16, "cuda")   # all host blocks, before step 1
+    for kind in offloaded_tensors(config, T, sp=8, dtype=torch.bfloat16):  # before step 1
+        pool.reserve(kind.count, kind.shape, kind.dtype, "cuda")           # all host blocks
     loss.backward(); opt.step()
     log(pool.reset_step())                        # bytes moved each way this step, pool size
     remove_offload(model)                         # the layers' own forwards again
@@ -82,7 +83,9 @@ stays on the device.
 from __future__ import annotations
 
 import functools
+import math
 import types
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -92,7 +95,14 @@ from torch.utils.checkpoint import checkpoint
 if TYPE_CHECKING:
     from model.host_pool import HostPool
 
-__all__ = ["apply_offload", "offload_layer", "offload_layers", "remove_offload"]
+__all__ = [
+    "OffloadedTensor",
+    "apply_offload",
+    "offload_layer",
+    "offload_layers",
+    "offloaded_tensors",
+    "remove_offload",
+]
 
 
 def _checkpoint(body, args: tuple, kwargs: dict, preserve_rng_state: bool):
@@ -309,6 +319,46 @@ def apply_offload(
         save_attention=save_attention,
     )
     return pool
+
+
+@dataclass(frozen=True)
+class OffloadedTensor:
+    """One kind of tensor the pool takes off the device in a step: `count` layers' worth of it."""
+
+    count: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one of them."""
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def offloaded_tensors(
+    config, seq_len: int, sp: int = 1, *, dtype: torch.dtype, save_attention: bool = False
+) -> list[OffloadedTensor]:
+    """What apply_offload's pool takes off one rank's device in a training step: the layer input
+    first, then with save_attention attention's out and lse.
+
+    config: num_hidden_layers, hidden_size, num_attention_heads, head_dim (ours or transformers').
+    The row of seq_len tokens, padded to a multiple of sp, is split over sp ranks: a layer input
+    is [1, T/sp, hidden] in `dtype`. Inside attention a rank holds every token for heads/sp heads:
+    out [1, T, heads/sp, head_dim] in `dtype`, and the kernel's lse [1, heads/sp, T] in fp32. With
+    save_attention the last layer keeps its three on the device (backward starts there), so L-1
+    layers' go to the pool; without it, every layer's input. Kinds under the pool's min_bytes stay
+    on the device (HostPool.reserve skips them).
+    """
+    tokens_per_rank = -(-seq_len // sp)
+    padded_row = tokens_per_rank * sp
+    heads = config.num_attention_heads // sp
+    layers = config.num_hidden_layers - (1 if save_attention else 0)
+    kinds = [OffloadedTensor(layers, (1, tokens_per_rank, config.hidden_size), dtype)]
+    if save_attention:
+        out = (1, padded_row, heads, config.head_dim)
+        kinds.append(OffloadedTensor(layers, out, dtype))
+        kinds.append(OffloadedTensor(layers, (1, heads, padded_row), torch.float32))
+    return kinds
 
 
 def remove_offload(model) -> None:

@@ -23,6 +23,7 @@ from memory.steptime import (
     assumed_rates,
     exchange_bytes,
     format_public_runs,
+    measured_parts,
     project,
     public_configuration,
     read_calibration,
@@ -191,6 +192,27 @@ def test_calibration_projects_gpu_checks_arithmetic_from_its_numbers(tmp_path):
         "adamw_s_per_param",
         "pin_gbps",
     }
+
+
+def test_gpu_checks_sum_of_its_parts_is_the_calibrated_projection(tmp_path):
+    """The step gpu_check prints (measured_parts' sum) is project() at gpu_check's shape with the
+    rates read from the same JSON, attention once and recomputed; a part that did not run is
+    missing, and its seconds are None."""
+    L = QWEN3_8B.num_hidden_layers
+    a2a = exchange_volumes(QWEN3_8B, T_1M, 8)["projected_s_per_step"]
+    path = _gpu_check_json(tmp_path / "a.json", fwd_s=2.5, bwd_s=4.0)
+    with open(path) as f:
+        parts = measured_parts(json.load(f))
+    assert parts.missing == () and parts.step_s(L, a2a) == pytest.approx(L * 7.0 + 1.52 + a2a)
+    rates = read_calibration(path)
+    for save in (True, False):
+        p = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=save)
+        projected = project(p, rates).step_s
+        assert parts.step_s(L, a2a, save) == pytest.approx(projected, rel=1e-9), save
+    with open(_gpu_check_json(tmp_path / "b.json", attention_status="timeout")) as f:
+        partial = measured_parts(json.load(f))
+    assert partial.missing == ("attention",) and partial.attention_fwd_s is None
+    assert partial.loss_s == 1.5
 
 
 def test_a_part_that_did_not_run_leaves_its_rate_assumed(tmp_path):
