@@ -225,8 +225,23 @@ def part_backends(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     out.update(chosen=chosen.name, chosen_why=chosen.why, fallback=fallback.name)
     out.update(fallback_why=fallback.why, cudnn_version=torch.backends.cudnn.version())
     out["cudnn_gate"] = torch_cudnn_gate("cudnn", dev) if dev.type == "cuda" else None
+    if dev.type == "cuda":
+        out["cublas_workspace_bytes"] = cublas_workspace_bytes(dev)
     ran = bench_attention.compare_backends(g.check_tokens, *heads, cfg.head_dim, device=str(dev))
     return {**ran, **out}
+
+
+def cublas_workspace_bytes(dev: torch.device) -> int:
+    """What cuBLAS's workspace takes from torch's allocator here (memory/plan.py's
+    CUBLAS_WORKSPACE_BYTES, projected until this measures it): the bytes a matmul leaves allocated
+    beyond its output, once torch has let go of its workspaces."""
+    torch.cuda.synchronize(dev)
+    torch._C._cuda_clearCublasWorkspaces()
+    a = torch.ones(256, 256, device=dev, dtype=torch.bfloat16)
+    before = torch.cuda.memory_allocated(dev)
+    y = a @ a
+    torch.cuda.synchronize(dev)
+    return torch.cuda.memory_allocated(dev) - before - y.untyped_storage().nbytes()
 
 
 def part_int32(g: Geometry, dev: torch.device, limit_s: float) -> dict:

@@ -91,6 +91,11 @@ CUDA_CONTEXT_GB = 0.75
 # (NVIDIA/nccl#864); linear in its channels and in the number of communicators (NVIDIA/nccl#986).
 # A step uses FSDP2's (all GPUs, the default group) and, with sp > 1, Ulysses' own group.
 NCCL_GB_PER_COMMUNICATOR = 1.6
+# cuBLAS's workspace, one per (handle, stream) that runs a matmul: torch's default on sm90 (H100,
+# H200) is 8 x 4096 KiB (CUBLAS_WORKSPACE_CONFIG unset; cuBLASLt shares it), taken from the caching
+# allocator, so max_memory_allocated counts it on a GPU and nothing does on a CPU. A step's
+# matmuls run on the default stream only (the offload pool's copies have their own, no matmuls).
+CUBLAS_WORKSPACE_BYTES = 8 * 4096 * 1024
 # Kernels index with 32-bit integers in places: an attention tensor past 2^31 elements (q, out and
 # their gradients hold T x heads/sp x head_dim each) runs where no test of theirs may have.
 INT32_ELEMENTS = 2**31

@@ -212,7 +212,7 @@ def gpu_only_terms(cuda_plan) -> list[tuple[str, int, str]]:
     projected until bench/gpu_check.py measures them). The attention kernel's workspace is live
     only in attention's backward; adding it to the peak is the upper bound."""
     from memory.buffers import Buffer
-    from memory.plan import CUDA_CONTEXT_GB, GB, NCCL_GB_PER_COMMUNICATOR
+    from memory.plan import CUBLAS_WORKSPACE_BYTES, CUDA_CONTEXT_GB, GB, NCCL_GB_PER_COMMUNICATOR
 
     def largest(buffer) -> int:  # over the step's moments: each buffer is live in one of them
         return max(m.working.get(buffer, 0) for m in cuda_plan.moments)
@@ -223,6 +223,11 @@ def gpu_only_terms(cuda_plan) -> list[tuple[str, int, str]]:
             largest(Buffer.FLASH_WORKSPACE),
             "FlashAttention-2's backward allocates dq as fp32 [B, T, heads, head_dim]; cuDNN's "
             "is taken as the same",
+        ),
+        (
+            "cuBLAS workspace (one compute stream)",
+            CUBLAS_WORKSPACE_BYTES,
+            "torch's default on sm90, 8 x 4096 KiB from the caching allocator",
         ),
         ("CUDA context", int(CUDA_CONTEXT_GB * GB), "memory/plan.py CUDA_CONTEXT_GB; projected"),
         (
