@@ -772,6 +772,27 @@ def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
     memory plan, and the offload pool with its host blocks. fake_mode: all of it on fake
     tensors, nothing loaded (train.py --rehearse). cfg comes back with what was decided."""
     world, sp = mesh.size(), mesh.size(1)
+    cfg, model, backend = sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode)
+    # Attention once when asked, or (unset) when the planner finds host memory for it.
+    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    log_attention(cfg, mc, sp, dtype, backend, planned)
+    pool = apply_offload(
+        model,
+        offload=cfg.offload,
+        min_bytes=cfg.offload_min_bytes,
+        tile_mlp=cfg.tile_mlp or None,
+        save_attention=planned.options.save_attention,
+    )
+    if cfg.offload:
+        with fake_mode or contextlib.nullcontext():
+            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
+    return cfg, model, pool, planned
+
+
+def sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode=None):
+    """(cfg, model, backend): the sharded model, read from model_dir or initialised from
+    --seed, with Ulysses attention over the mesh's sp ranks and its kernel chosen; what a run
+    and --eval-only share. cfg comes back naming the kernel."""
     t0 = time.perf_counter()
     model, load_stats = build_sharded_model(
         mc,
@@ -791,21 +812,8 @@ def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
         loaded = "random init"
     log0(f"model ready in {time.perf_counter() - t0:.1f} s, {loaded}")
     model.set_attention(UlyssesAttention(ulysses_group(mesh)))
-    cfg, backend = choose_attention(cfg, mc, sp, device, dtype)
-    # Attention once when asked, or (unset) when the planner finds host memory for it.
-    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
-    log_attention(cfg, mc, sp, dtype, backend, planned)
-    pool = apply_offload(
-        model,
-        offload=cfg.offload,
-        min_bytes=cfg.offload_min_bytes,
-        tile_mlp=cfg.tile_mlp or None,
-        save_attention=planned.options.save_attention,
-    )
-    if cfg.offload:
-        with fake_mode or contextlib.nullcontext():
-            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
-    return cfg, model, pool, planned
+    cfg, backend = choose_attention(cfg, mc, sp=mesh.size(1), device=device, dtype=dtype)
+    return cfg, model, backend
 
 
 def resume_from(cfg, model, optimizer, loader, rank) -> int:
@@ -966,9 +974,7 @@ def evaluate_only(cfg: TrainConfig, rank: int, world: int, local_world: int, dev
     mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True)
     dtype = compute_dtype(cfg, device)
     mesh = build_mesh(world, sp, device.type)
-    model, _ = build_sharded_model(mc, mesh, device=device, model_dir=model_dir, param_dtype=dtype)
-    model.set_attention(UlyssesAttention(ulysses_group(mesh)))
-    cfg, _ = choose_attention(cfg, mc, sp, device, dtype)
+    cfg, model, _ = sharded_model(cfg, mc, model_dir, mesh, device, dtype)
     apply_offload(model, offload=False, tile_mlp=cfg.tile_mlp or None)  # only the MLP tiling
     planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
     log = StepLog(
