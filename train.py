@@ -71,7 +71,6 @@ from run.checks import CHOICES, check_flags, check_layout, check_run, open_run_d
 from run.evaluate import start_evaluation
 from run.export import export_final
 from run.guard import NonFiniteGuard, RunStopped
-from run.quiet import quiet_known_warnings
 from run.report import ReportError, check_available, parse_report_to
 from run.steplog import StepLog
 
@@ -496,7 +495,6 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
 # Main: checks, then the process group, then the run
 # ---------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
-    quiet_known_warnings()
     cfg = parse_args(argv)
     if cfg.dry_run:  # no process group, no downloads, no weights
         return dry_run(cfg)
