@@ -43,6 +43,7 @@ if __name__ == "__main__":
 
 import torch  # after the signal handlers, on purpose
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from data import RowLoader, build_rows
 from data.cache import token_cache_dir
@@ -66,7 +67,14 @@ from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
 from model.parallel import build_mesh, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention
-from run.checkpoint import DiskSpaceError, checkpoints, resume, rows_to_read, save_checkpoint
+from run.checkpoint import (
+    DiskSpaceError,
+    checkpoints,
+    error_line,
+    resume,
+    rows_to_read,
+    save_checkpoint,
+)
 from run.checks import CHOICES, check_flags, check_layout, check_run, open_run_dir, resolve_model
 from run.evaluate import start_evaluation
 from run.export import export_final
@@ -1035,9 +1043,10 @@ def fail(e: BaseException, code: int) -> None:
         import traceback
 
         traceback.print_exception(e)
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     if code == 1:
-        msg = f"{type(e).__name__}: {msg}"
+        msg = error_line(e)
+    else:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     who = f" (rank {rank})" if rank else ""
     print(f"error{who}: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -1050,5 +1059,5 @@ if __name__ == "__main__":
         fail(e, 2)
     except (RunStopped, DiskSpaceError) as e:  # stopped on purpose, the last good state saved
         fail(e, 3)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's failures are BaseExceptions
         fail(e, 1)

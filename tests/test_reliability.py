@@ -376,6 +376,34 @@ def test_disk_shortfall_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path)
     assert problem(str(out / "checkpoints" / "step_000001")) is None
 
 
+def rank_1_cannot_write_checkpoints():
+    """Setup for a train.py rank: on rank 1, DCP's file writer fails as a full disk does (after
+    the free-space check, which the disk passed). DCP gathers it into a CheckpointException that
+    every rank raises."""
+    if os.environ.get("RANK") != "1":
+        return
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def write_data(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    FileSystemWriter.write_data = write_data
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_is_one_line_naming_the_rank(tmp_path):
+    """DCP's CheckpointException is a BaseException, not an Exception: it still ends the run
+    with exit 1 and rank 0's one line (after the traceback), naming the failing rank and its
+    error."""
+    args = tiny_run(tmp_path / "run", "--steps", "2", "--save-every", "1")
+    p = run(args, nproc=2, setup=rank_1_cannot_write_checkpoints)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error")]
+    assert p.returncode == 1 and errors, p.stderr[-3000:]
+    want = "CheckpointException from rank 1: OSError: [Errno 28] No space left on device"
+    assert errors[0] == f"error: {want}", errors
+    assert p.stderr.index("Traceback") < p.stderr.index(errors[0])  # below the traceback
+
+
 class Plant:
     """Unpickling it creates `path`: what a checkpoint from someone else could do on load."""
 
