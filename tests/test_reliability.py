@@ -26,6 +26,7 @@ from dist_utils import free_port
 
 from model.config import ConfigError, Qwen3Config
 from run.checkpoint import problem, rotate, trim_metrics
+from run.checks import check_hub_source, hub_problem
 from run.rundir import RunLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -499,8 +500,6 @@ def test_pg19_without_network_is_one_line_before_any_weight(files, tmp_path, mon
     cache entry for the rows is enough to go on without the hub."""
     import huggingface_hub
 
-    from run.checks import check_hub_source
-
     cache = tmp_path / "cache"
     flags = ["--model", str(files / "model"), "--data", "pg19", "--seq-len", "32"]
     t0 = time.time()
@@ -519,12 +518,39 @@ def test_pg19_without_network_is_one_line_before_any_weight(files, tmp_path, mon
     assert "model ready" not in p.stdout and seconds < 30, seconds
 
     monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", _no_answer)
+    hub_problem.cache_clear()  # this process's answers so far (asked once per process)
     cfg = types.SimpleNamespace(data="pg19", seq_len=32, seed=0, cache_dir=str(cache))
     with pytest.raises(ConfigError, match="does not answer"):
         check_hub_source(cfg)
     cache.mkdir()
     (cache / "pg19-L32-seed0-0123456789abcdef.npy").write_bytes(b"")
     check_hub_source(cfg)  # a cache entry of these rows: no hub needed
+
+
+def test_the_hub_is_asked_once_per_process(tmp_path, monkeypatch):
+    """train.py checks the data before its process group starts and again inside it, and a pg19
+    run holds out pg19:validation, the same dataset: one request per dataset and process, and
+    a hub that does not answer is refused every time."""
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(
+        huggingface_hub.HfApi, "dataset_info", lambda self, repo_id, **kw: asked.append(repo_id)
+    )
+    hub_problem.cache_clear()
+    for data in ("pg19", "pg19", "pg19:validation", "hf:someone/books", "hf:someone/books"):
+        check_hub_source(
+            types.SimpleNamespace(data=data, seq_len=32, seed=0, cache_dir=str(tmp_path))
+        )
+    assert asked == ["emozilla/pg19", "someone/books"]
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", _no_answer)
+    offline = types.SimpleNamespace(
+        data="hf:someone/else", seq_len=32, seed=0, cache_dir=str(tmp_path)
+    )
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="does not answer"):
+            check_hub_source(offline)
+    hub_problem.cache_clear()
 
 
 def export_dies_half_way():
