@@ -43,6 +43,7 @@ if __name__ == "__main__":
 
 import torch  # after the signal handlers, on purpose
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from data import RowLoader, build_rows
 from data.cache import token_cache_dir
@@ -66,12 +67,18 @@ from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
 from model.parallel import build_mesh, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention
-from run.checkpoint import DiskSpaceError, checkpoints, resume, rows_to_read, save_checkpoint
+from run.checkpoint import (
+    DiskSpaceError,
+    checkpoints,
+    error_line,
+    resume,
+    rows_to_read,
+    save_checkpoint,
+)
 from run.checks import CHOICES, check_flags, check_layout, check_run, open_run_dir, resolve_model
 from run.evaluate import start_evaluation
 from run.export import export_final
 from run.guard import NonFiniteGuard, RunStopped
-from run.quiet import quiet_known_warnings
 from run.report import ReportError, check_available, parse_report_to
 from run.steplog import StepLog
 
@@ -496,7 +503,6 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
 # Main: checks, then the process group, then the run
 # ---------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
-    quiet_known_warnings()
     cfg = parse_args(argv)
     if cfg.dry_run:  # no process group, no downloads, no weights
         return dry_run(cfg)
@@ -764,6 +770,27 @@ def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
     memory plan, and the offload pool with its host blocks. fake_mode: all of it on fake
     tensors, nothing loaded (train.py --rehearse). cfg comes back with what was decided."""
     world, sp = mesh.size(), mesh.size(1)
+    cfg, model, backend = sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode)
+    # Attention once when asked, or (unset) when the planner finds host memory for it.
+    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    log_attention(cfg, mc, sp, dtype, backend, planned)
+    pool = apply_offload(
+        model,
+        offload=cfg.offload,
+        min_bytes=cfg.offload_min_bytes,
+        tile_mlp=cfg.tile_mlp or None,
+        save_attention=planned.options.save_attention,
+    )
+    if cfg.offload:
+        with fake_mode or contextlib.nullcontext():
+            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
+    return cfg, model, pool, planned
+
+
+def sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode=None):
+    """(cfg, model, backend): the sharded model, read from model_dir or initialised from
+    --seed, with Ulysses attention over the mesh's sp ranks and its kernel chosen; what a run
+    and --eval-only share. cfg comes back naming the kernel."""
     t0 = time.perf_counter()
     model, load_stats = build_sharded_model(
         mc,
@@ -783,21 +810,8 @@ def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
         loaded = "random init"
     log0(f"model ready in {time.perf_counter() - t0:.1f} s, {loaded}")
     model.set_attention(UlyssesAttention(ulysses_group(mesh)))
-    cfg, backend = choose_attention(cfg, mc, sp, device, dtype)
-    # Attention once when asked, or (unset) when the planner finds host memory for it.
-    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
-    log_attention(cfg, mc, sp, dtype, backend, planned)
-    pool = apply_offload(
-        model,
-        offload=cfg.offload,
-        min_bytes=cfg.offload_min_bytes,
-        tile_mlp=cfg.tile_mlp or None,
-        save_attention=planned.options.save_attention,
-    )
-    if cfg.offload:
-        with fake_mode or contextlib.nullcontext():
-            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
-    return cfg, model, pool, planned
+    cfg, backend = choose_attention(cfg, mc, sp=mesh.size(1), device=device, dtype=dtype)
+    return cfg, model, backend
 
 
 def resume_from(cfg, model, optimizer, loader, rank) -> int:
@@ -958,9 +972,7 @@ def evaluate_only(cfg: TrainConfig, rank: int, world: int, local_world: int, dev
     mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True)
     dtype = compute_dtype(cfg, device)
     mesh = build_mesh(world, sp, device.type)
-    model, _ = build_sharded_model(mc, mesh, device=device, model_dir=model_dir, param_dtype=dtype)
-    model.set_attention(UlyssesAttention(ulysses_group(mesh)))
-    cfg, _ = choose_attention(cfg, mc, sp, device, dtype)
+    cfg, model, _ = sharded_model(cfg, mc, model_dir, mesh, device, dtype)
     apply_offload(model, offload=False, tile_mlp=cfg.tile_mlp or None)  # only the MLP tiling
     planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
     log = StepLog(
@@ -1023,9 +1035,10 @@ def fail(e: BaseException, code: int) -> None:
         import traceback
 
         traceback.print_exception(e)
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     if code == 1:
-        msg = f"{type(e).__name__}: {msg}"
+        msg = error_line(e)
+    else:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
     who = f" (rank {rank})" if rank else ""
     print(f"error{who}: {msg}", file=sys.stderr, flush=True)
     sys.exit(code)
@@ -1038,5 +1051,5 @@ if __name__ == "__main__":
         fail(e, 2)
     except (RunStopped, DiskSpaceError) as e:  # stopped on purpose, the last good state saved
         fail(e, 3)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's failures are BaseExceptions
         fail(e, 1)

@@ -5,6 +5,7 @@
     resumed, skipped = resume(paths, model, optimizer, loader, rank, seed=0)
     resumed.step, resumed.change     # the step it was saved after; a line if the layout changed
     trim_metrics(metrics_path, resumed.step)                      # records after it go
+    error_line(exc)     # the one line for a failure, DCP's CheckpointException included
 
 Layout: OUT/checkpoints/step_000040/ holds
   .metadata, __*.distcp   torch.distributed.checkpoint (DCP): model and AdamW state, every rank's
@@ -159,11 +160,24 @@ def _first_reason(mine: str | None) -> str | None:
 
 
 def _first_line(e: BaseException) -> str:
-    """'Type: first line' of an exception; for DCP's CheckpointException, of the first rank's."""
+    """'Type: first line' of an exception; for DCP's CheckpointException, of the lowest failing
+    rank's."""
     if isinstance(e, CheckpointException) and e.failures:  # {rank: (exception, traceback)}
-        e = next(iter(e.failures.values()))[0]
+        e = e.failures[min(e.failures)][0]
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+
+
+def error_line(e: BaseException) -> str:
+    """The one line a failed run prints for `e`: 'Type: first line'. DCP's CheckpointException
+    (a BaseException, raised on every rank when any rank's read or write fails; its own first
+    line lists only rank numbers) names the ranks that failed and the lowest one's error:
+    'CheckpointException from rank 1: OSError: [Errno 28] No space left on device'."""
+    if not (isinstance(e, CheckpointException) and e.failures):
+        return _first_line(e)
+    ranks = sorted(e.failures)
+    which = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+    return f"{type(e).__name__} from {which}: {_first_line(e)}"
 
 
 def _read_train_state(path: str) -> dict:

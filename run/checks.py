@@ -14,6 +14,7 @@ train.py's TrainConfig; this file reads its fields and imports nothing from trai
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -384,9 +385,12 @@ def agree_on_host_memory(cfg, origin: str) -> str:
     return f"the smallest over the {len(values)} ranks' host memory"
 
 
+@functools.cache
 def hub_problem(repo_id: str, timeout: float = 5.0) -> str | None:
-    """Why the hub's dataset `repo_id` cannot be reached now, or None: one metadata request of
-    at most `timeout` seconds (streaming it would retry for half a minute before failing)."""
+    """Why the hub's dataset `repo_id` cannot be reached, or None: one metadata request of at
+    most `timeout` seconds (streaming it would retry for half a minute before failing), once
+    per process and repo: train.py runs check_run before its process group and again inside it,
+    and a pg19 run's held-out rows (pg19:validation) are the same dataset."""
     try:
         from huggingface_hub import HfApi
 

@@ -125,7 +125,9 @@ def test_demo_says_what_it_does_and_what_happened(demo):
         "final/config.json",
     ):
         assert os.path.exists(out / name), name
-    assert "DTensor random operators" not in p.stderr  # quiet_known_warnings()
+    # the init draws on CPU generators (model/seeded_init.py), never a DTensor random op, which
+    # torch answers on a CPU mesh with "DTensor random operators may not have complete support"
+    assert "DTensor random operators" not in p.stderr
 
 
 def test_demo_export_loads_in_transformers(demo):

@@ -26,6 +26,7 @@ from dist_utils import free_port
 
 from model.config import ConfigError, Qwen3Config
 from run.checkpoint import problem, rotate, trim_metrics
+from run.checks import check_hub_source, hub_problem
 from run.rundir import RunLock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -376,6 +377,34 @@ def test_disk_shortfall_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path)
     assert problem(str(out / "checkpoints" / "step_000001")) is None
 
 
+def rank_1_cannot_write_checkpoints():
+    """Setup for a train.py rank: on rank 1, DCP's file writer fails as a full disk does (after
+    the free-space check, which the disk passed). DCP gathers it into a CheckpointException that
+    every rank raises."""
+    if os.environ.get("RANK") != "1":
+        return
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def write_data(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    FileSystemWriter.write_data = write_data
+
+
+@pytest.mark.slow
+def test_a_failed_checkpoint_write_is_one_line_naming_the_rank(tmp_path):
+    """DCP's CheckpointException is a BaseException, not an Exception: it still ends the run
+    with exit 1 and rank 0's one line (after the traceback), naming the failing rank and its
+    error."""
+    args = tiny_run(tmp_path / "run", "--steps", "2", "--save-every", "1")
+    p = run(args, nproc=2, setup=rank_1_cannot_write_checkpoints)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error")]
+    assert p.returncode == 1 and errors, p.stderr[-3000:]
+    want = "CheckpointException from rank 1: OSError: [Errno 28] No space left on device"
+    assert errors[0] == f"error: {want}", errors
+    assert p.stderr.index("Traceback") < p.stderr.index(errors[0])  # below the traceback
+
+
 class Plant:
     """Unpickling it creates `path`: what a checkpoint from someone else could do on load."""
 
@@ -471,8 +500,6 @@ def test_pg19_without_network_is_one_line_before_any_weight(files, tmp_path, mon
     cache entry for the rows is enough to go on without the hub."""
     import huggingface_hub
 
-    from run.checks import check_hub_source
-
     cache = tmp_path / "cache"
     flags = ["--model", str(files / "model"), "--data", "pg19", "--seq-len", "32"]
     t0 = time.time()
@@ -491,12 +518,39 @@ def test_pg19_without_network_is_one_line_before_any_weight(files, tmp_path, mon
     assert "model ready" not in p.stdout and seconds < 30, seconds
 
     monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", _no_answer)
+    hub_problem.cache_clear()  # this process's answers so far (asked once per process)
     cfg = types.SimpleNamespace(data="pg19", seq_len=32, seed=0, cache_dir=str(cache))
     with pytest.raises(ConfigError, match="does not answer"):
         check_hub_source(cfg)
     cache.mkdir()
     (cache / "pg19-L32-seed0-0123456789abcdef.npy").write_bytes(b"")
     check_hub_source(cfg)  # a cache entry of these rows: no hub needed
+
+
+def test_the_hub_is_asked_once_per_process(tmp_path, monkeypatch):
+    """train.py checks the data before its process group starts and again inside it, and a pg19
+    run holds out pg19:validation, the same dataset: one request per dataset and process, and
+    a hub that does not answer is refused every time."""
+    import huggingface_hub
+
+    asked = []
+    monkeypatch.setattr(
+        huggingface_hub.HfApi, "dataset_info", lambda self, repo_id, **kw: asked.append(repo_id)
+    )
+    hub_problem.cache_clear()
+    for data in ("pg19", "pg19", "pg19:validation", "hf:someone/books", "hf:someone/books"):
+        check_hub_source(
+            types.SimpleNamespace(data=data, seq_len=32, seed=0, cache_dir=str(tmp_path))
+        )
+    assert asked == ["emozilla/pg19", "someone/books"]
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", _no_answer)
+    offline = types.SimpleNamespace(
+        data="hf:someone/else", seq_len=32, seed=0, cache_dir=str(tmp_path)
+    )
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="does not answer"):
+            check_hub_source(offline)
+    hub_problem.cache_clear()
 
 
 def export_dies_half_way():

@@ -1,20 +1,13 @@
-"""Live metrics (run/report.py) read back by the backends' own readers, and the warning filter.
-
-The filter is run/quiet.py: it hides the real DTensor CPU warning and lets every other through.
-"""
+"""Live metrics (run/report.py) read back by the backends' own readers."""
 
 import glob
 import json
 import struct
 import sys
-import warnings
 
 import numpy as np
 import pytest
-import torch
-from dist_utils import run_distributed
 
-from run.quiet import quiet_known_warnings
 from run.report import Reporter, ReportError, check_available, parse_report_to, scalars, wandb_mode
 
 
@@ -198,56 +191,3 @@ def test_a_missing_package_fails_up_front_with_the_pip_command(kind, tmp_path, m
     with pytest.raises(ReportError):
         Reporter([kind], str(tmp_path))
     assert not (tmp_path / kind).exists()
-
-
-# ---------------------------------------------------------------------------------------------
-# The DTensor CPU warning: hidden, and nothing else is
-# ---------------------------------------------------------------------------------------------
-MSG = "DTensor random operators may not have complete support on cpu device mesh"
-
-
-def _dtensor_random_op_warnings(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-
-    t = distribute_tensor(torch.zeros(4, 3), init_device_mesh("cpu", (world,)), [Shard(0)])
-    seen = []
-    for quiet in (False, True):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if quiet:
-                quiet_known_warnings()
-            t.normal_(0.0, 1.0)  # what init_weights() does to a from-scratch model
-        seen.append([str(w.message) for w in caught])
-    return seen
-
-
-def test_quiet_hides_the_real_dtensor_cpu_warning():
-    loud, quiet = run_distributed(_dtensor_random_op_warnings, 1)[0]
-    assert MSG in loud  # torch still raises it here (if not, the filter has nothing to do)
-    assert quiet == [m for m in loud if m != MSG]
-
-
-@pytest.mark.parametrize(
-    "message,category,module",
-    [
-        (MSG, UserWarning, "train"),  # the same words from another module
-        (MSG.replace("cpu", "cuda"), UserWarning, "torch.distributed.tensor._dispatch"),
-        (
-            "DTensor manual_seed() may not have complete support on cpu device mesh",
-            UserWarning,
-            "torch.distributed.tensor._random",
-        ),
-        (MSG, FutureWarning, "torch.distributed.tensor._dispatch"),
-        ("something else", UserWarning, "torch.distributed.tensor._dispatch"),
-    ],
-)
-def test_quiet_lets_every_other_warning_through(message, category, module):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        quiet_known_warnings()
-        warnings.warn_explicit(
-            MSG, UserWarning, "x.py", 1, module="torch.distributed.tensor._dispatch"
-        )
-        warnings.warn_explicit(message, category, "x.py", 1, module=module)
-    assert [(str(w.message), w.category) for w in caught] == [(message, category)]

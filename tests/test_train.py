@@ -282,7 +282,7 @@ def test_demo_learns_across_shards(tmp_path):
         f"loss on the predictable labels: {first:.4f} at step 1 -> {last:.4f} at step 400"
         in p.stdout
     )
-    # a from-scratch init on a 2-rank CPU mesh is where DTensor's RNG warning fired (run/quiet.py)
+    # a from-scratch init on a 2-rank CPU mesh runs no DTensor random op (model/seeded_init.py)
     assert "DTensor random operators" not in p.stderr
     # held-out rows (seed 2), every label counted: before training every bucket sits at ln 64;
     # after it the repeated half [256, 512) is near 0, while on the random first half, which no
