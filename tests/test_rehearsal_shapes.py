@@ -1,6 +1,6 @@
 """The memory planner against the rehearsal of the real step, at real Qwen3 shapes.
 
-    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: 80-96 s on 2 busy cores
+    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: about 75 s on 2 cores
     pytest tests/test_rehearsal_shapes.py -s --full-depth -k "full and recipe"  # 36 layers
 
 `train.py --rehearse` (memory/rehearsal.py) runs two real steps of a run on fake tensors with a
@@ -50,9 +50,19 @@ DEPTHS = {
     "few layers": (2, ["--loss-chunk", "2048"]),
     "full depth": (None, []),
 }
-DEPTH_PARAMS = [
-    pytest.param("few layers", marks=pytest.mark.slow),
-    pytest.param("full depth", marks=pytest.mark.full_depth),
+DEPTH_PARAMS = {
+    "few layers": pytest.mark.slow,
+    "full depth": pytest.mark.full_depth,
+}
+# 8B at 2M tokens over sp 8 holds the same 262,144 tokens per rank, in FSDP2 units over the same
+# 8 ranks, as dp 2 x sp 4 at 1M: at 2 layers both rehearse to 37.073 GB (and plan to 37.067), so
+# the default suite runs the one with a dp group and leaves the other to --full-depth.
+SAME_AS_ANOTHER = {("8b at 2M", "few layers")}
+CASES = [
+    pytest.param(depth, shape, marks=mark, id=f"{depth}-{shape}")
+    for depth, mark in DEPTH_PARAMS.items()
+    for shape in SHAPES
+    if (shape, depth) not in SAME_AS_ANOTHER
 ]
 # check: (rehearsal.json's rehearsed figure, its planned figure), as paths into the record
 CHECKS = {
@@ -99,8 +109,7 @@ def rehearsals(tmp_path_factory):
 
 
 @pytest.mark.parametrize("check", list(CHECKS))
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("depth", DEPTH_PARAMS)
+@pytest.mark.parametrize(("depth", "shape"), CASES)
 def test_the_plan_is_within_3_percent_of_the_rehearsal(depth, shape, check, rehearsals):
     """rehearsal.json's measured figure against the planned one, within TOLERANCE."""
     record = rehearsals(shape, depth)
