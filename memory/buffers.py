@@ -369,15 +369,19 @@ def loss_moments(
     "loss forward", inside the chunk loop: the final norm's input and output (the hidden states
     the loss reads), the [N, H] hidden gradient and the fp32 V x H weight-gradient accumulator it
     makes in forward, and one chunk's buffers: fp32 logits and log-probabilities, for bf16 the
-    probabilities p, and where no bf16 GEMM writes fp32 (CPU) the bf16 logits and a [V, H] bf16
-    product. "loss backward": the accumulator and its cast to the weight's dtype, the hidden
-    gradient and its scaled copy (train.py drops the hidden states).
+    probabilities p, and where no bf16 GEMM writes fp32 (CPU) the larger of its two bf16
+    temporaries: the chunk's logits [chunk, V] before their upcast, and the [V, H] product added
+    into the accumulator; one is freed before the other is made. "loss backward": the accumulator
+    and its cast to the weight's dtype, the hidden gradient and its scaled copy (train.py drops
+    the hidden states).
     """
     c, b = config, compute_bytes
     V, H = c.vocab_size, c.hidden_size
     X, rows = tokens * H * b, min(loss_chunk, tokens)
     low, fused = b < 4, device == "cuda"
-    chunk = rows * V * (8 + (b if low else 0) + (b if low and not fused else 0))
+    chunk = rows * V * (8 + (b if low else 0))
+    if low and not fused:
+        chunk += max(rows * V * b, V * H * b)
     norm = _norm_saved(tokens, H, b, fused_norm, input_elsewhere=False)
     return {
         "loss forward": {
@@ -385,7 +389,7 @@ def loss_moments(
             Buffer.HIDDEN: X,
             Buffer.HIDDEN_GRAD: X,
             Buffer.LM_HEAD_GRAD_ACC: V * H * 4,
-            Buffer.LOSS_CHUNK: chunk + (V * H * b if low and not fused else 0),
+            Buffer.LOSS_CHUNK: chunk,
         },
         "loss backward": {
             Buffer.FINAL_NORM: norm,
