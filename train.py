@@ -48,8 +48,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from data import RowLoader, build_rows
 from data.cache import token_cache_dir
 from loss.chunked_ce import chunked_cross_entropy
+from memory.choices import plan_for_run
 from memory.meter import StepMeter
-from memory.plan import plan_for_run, step_flops
+from memory.model_size import step_flops
 from memory.report import format_plan, plan_warnings
 from memory.snapshot import cuda_memory_history
 from memory.steptime import read_calibration

@@ -44,7 +44,9 @@ from bench.fresh_process import in_fresh_process
 from bench.table import figures, table
 from bench.timer import measure
 from memory.buffers import Buffer
-from memory.plan import load_config, param_shapes, plan, shard_numel, step_flops
+from memory.choices import load_config
+from memory.model_size import param_shapes, shard_numel, step_flops
+from memory.plan import plan
 from memory.report import PUBLIC_RECIPE
 from memory.steptime import measured_parts
 from model.attention import attention, pick_backend, set_backend, torch_cudnn_gate

@@ -1,10 +1,9 @@
 """Memory and FLOPs planner: what one training step needs per GPU, before anything is launched.
 
-    from memory.plan import plan, max_seq_len
+    from memory.plan import plan
     p = plan(Qwen3Config.preset("qwen3-8b"), 1_048_576, gpus=8, sp=8)
     p.total, p.peak.name, p.host.per_node, p.flops.step_time_s
     p.eval_total, p.eval_peak.name          # an evaluation's forward alone (run/evaluate.py)
-    max_seq_len(Qwen3Config.preset("qwen3-8b"), gpus=8, sp=8, host_mem_gb=2000)
     python -m memory.report --model qwen3-8b --seq-len 1048576   # train.py --dry-run's table
 
 The step it models is this repository's: FSDP2 over all GPUs with fp32 master weights, bf16
@@ -38,7 +37,8 @@ each layer's attention output [T, nh/sp, hd] and fp32 log-sum-exp [nh/sp, T] are
 forward, so the recompute skips attention's forward (1.52e18 -> 1.20e18 FLOPs at 1M tokens). They go
 to the offload pool's pinned blocks for every layer but the last, whose input, output and
 log-sum-exp stay on the device for the loss moments (backward starts there: a copy would stall it).
-choose_save_attention turns it on when its plan fits host memory (and the GPU, if the other fits).
+memory/choices.py's choose_save_attention turns it on when its plan fits host memory (and the GPU,
+if the other fits).
 
 CPU offload (cpu_offload, FSDP2's CPUOffloadPolicy): the fp32 parameter shards, gradient shards and
 AdamW states live in host memory, the parameter and gradient shards pinned one buffer each by
@@ -50,13 +50,12 @@ Kept free on the GPU besides the peak: the CUDA context and NCCL's buffers (CUDA
 NCCL_GB_PER_COMMUNICATOR: projected, outside torch's allocator) and reserve_gb of allocator slack.
 With attn_backend="flash", its backward's GQA expansion of dk and dv is counted too.
 
-FLOPs count matrix products only (step_flops). Nothing is allocated: every size is arithmetic on
-the config. GB here means 1e9 bytes, GiB 2**30.
+FLOPs count matrix products only (memory/model_size.py's step_flops). Nothing is allocated: every
+size is arithmetic on the config. GB here means 1e9 bytes, GiB 2**30.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -68,8 +67,16 @@ from memory.buffers import (
     layer_forward_moments,
     loss_moments,
 )
+from memory.model_size import (
+    FsdpUnits,
+    fsdp_units,
+    host_pinned_bytes,
+    param_shapes,
+    shard_numel,
+    step_flops,
+)
 from model.checkpoint_offload import OffloadedTensor, offloaded_tensors
-from model.config import PRESETS, Qwen3Config
+from model.config import Qwen3Config
 from model.host_pool import host_bytes_for
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
 
@@ -104,114 +111,6 @@ INT32_ELEMENTS = 2**31
 DTYPE_OF_BYTES = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
 
-# ---- parameters ------------------------------------------------------------------------------
-def param_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every parameter's shape under its Hugging Face name (lm_head left out when tied)."""
-    c, H = config, config.hidden_size
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, H)}
-    for i in range(c.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in _layer_shapes(c).items()})
-    shapes["model.norm.weight"] = (H,)
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, H)
-    return shapes
-
-
-def _layer_shapes(c: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
-    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
-    return {
-        "self_attn.q_proj.weight": (q, H),
-        "self_attn.k_proj.weight": (kv, H),
-        "self_attn.v_proj.weight": (kv, H),
-        "self_attn.o_proj.weight": (H, q),
-        "self_attn.q_norm.weight": (hd,),
-        "self_attn.k_norm.weight": (hd,),
-        "mlp.gate_proj.weight": (inter, H),
-        "mlp.up_proj.weight": (inter, H),
-        "mlp.down_proj.weight": (H, inter),
-        "input_layernorm.weight": (H,),
-        "post_attention_layernorm.weight": (H,),
-    }
-
-
-def shard_numel(shape: tuple[int, ...], world: int) -> int:
-    """Elements one rank stores for a tensor that FSDP2 shards on dim 0 over `world` ranks.
-
-    FSDP2 pads dim 0 to a multiple of the world size, so every rank's storage has
-    ceil(dim0 / world) rows (rank 0 always uses all of them).
-    """
-    return math.ceil(shape[0] / world) * math.prod(shape[1:])
-
-
-def host_pinned_bytes(n: int) -> int:
-    """Bytes torch's pinned host allocator (CachingHostAllocator) takes for one n-byte buffer: n
-    rounded up to a power of two. FSDP2's CPU offload pins each parameter shard and each gradient
-    shard this way (a 3 GiB buffer would cost 4)."""
-    return 0 if n <= 0 else 1 << (n - 1).bit_length()
-
-
-def _gathered_numel(shapes, world: int) -> int:
-    # An all-gathered unit keeps the padding: world x the padded shard.
-    return sum(shard_numel(s, world) * world for s in shapes)
-
-
-@dataclass(frozen=True)
-class _Units:
-    """FSDP2's units on one rank: a decoder layer, the embedding, [final norm + lm_head]."""
-
-    layer_gathered: int  # elements of an all-gathered decoder layer
-    emb_gathered: int  # elements of the all-gathered embedding (or lm_head)
-    head_gathered: int  # elements of the all-gathered [final norm + lm_head] unit
-    layer_shard: int  # bytes of one rank's fp32 shard of a decoder layer
-    emb_shard: int  # bytes of one rank's fp32 shard of the embedding (or lm_head)
-    norm_shard: int  # bytes of one rank's fp32 shard of the final norm
-    all_shards: int  # bytes of one rank's fp32 shards of every parameter
-
-
-def _units(c: Qwen3Config, world: int, master_bytes: int) -> _Units:
-    layer, emb, norm = _layer_shapes(c).values(), (c.vocab_size, c.hidden_size), (c.hidden_size,)
-    all_shards = sum(shard_numel(s, world) for s in param_shapes(c).values())
-    return _Units(
-        layer_gathered=_gathered_numel(layer, world),
-        emb_gathered=_gathered_numel([emb], world),
-        head_gathered=_gathered_numel([emb, norm], world),
-        layer_shard=sum(shard_numel(s, world) for s in layer) * master_bytes,
-        emb_shard=shard_numel(emb, world) * master_bytes,
-        norm_shard=shard_numel(norm, world) * master_bytes,
-        all_shards=all_shards * master_bytes,
-    )
-
-
-def step_flops(
-    config: Qwen3Config, seq_len: int, *, attn_bwd_factor: float = 2.5
-) -> dict[str, float]:
-    """FLOPs of one row (2 per multiply-add), forward pieces and the three totals.
-
-    Forward: dense matmuls 2 x (non-embedding matmul parameters) x T; lm_head 2 x V x H x T
-    (the embedding is a lookup); causal attention 2 x T^2/2 x heads x head_dim for QK^T and the
-    same for PV, per layer. Backward: 2x forward for matmuls; attention's backward is 2.5x its
-    forward (FlashAttention's backward does 5 T^2 products against the forward's 2, recomputing
-    QK^T). The one-pass loss does its 3 products in forward and none in backward: same count.
-    Recomputation adds one forward of the layers, without lm_head, with or without attention.
-    """
-    c, T = config, seq_len
-    layer_mm = sum(math.prod(s) for s in _layer_shapes(c).values() if len(s) == 2)
-    dense = 2.0 * layer_mm * c.num_hidden_layers * T
-    lm_head = 2.0 * c.vocab_size * c.hidden_size * T
-    attn = c.num_hidden_layers * 2 * (2.0 * T * T / 2) * c.num_attention_heads * c.head_dim
-    model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn
-    return {
-        "dense_fwd": dense,
-        "lm_head_fwd": lm_head,
-        "attention_fwd": attn,
-        "model": model,
-        "no_attn_recompute": model + dense,
-        "full_recompute": model + dense + attn,
-    }
-
-
-# ---- the plan -------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Options:
     """How the step runs and on what: plan()'s keywords, with their defaults."""
@@ -542,7 +441,7 @@ def _per_layer(c: Qwen3Config, seq_len: int, sp: int, o: Options) -> _PerLayer:
     return _PerLayer(tuple(kinds), x, out, lse, *moved)
 
 
-def _fsdp_at_layer(c: Qwen3Config, o: Options, u: _Units, i: int) -> tuple[dict, dict]:
+def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[dict, dict]:
     """FSDP2's (gathered, fp32 working) buffers during layer i's backward (i = L-1 first).
 
     It holds layer i and the unit it prefetches next (layer i-1; the untied embedding at i = 0),
@@ -571,7 +470,7 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: _Units, i: int) -> tuple[dict,
 
 
 def _step_moments(
-    c: Qwen3Config, t: int, layout: Layout, o: Options, u: _Units, x: _PerLayer
+    c: Qwen3Config, t: int, layout: Layout, o: Options, u: FsdpUnits, x: _PerLayer
 ) -> tuple[Moment, ...]:
     """The loss (in forward, then its backward), then the backward of layers L-1, 1 and 0.
 
@@ -624,7 +523,7 @@ def _step_moments(
     return tuple(moments)
 
 
-def _eval_moments(c: Qwen3Config, t: int, layout: Layout, o: Options, u: _Units):
+def _eval_moments(c: Qwen3Config, t: int, layout: Layout, o: Options, u: FsdpUnits):
     """A forward alone: a layer's moments with it and one more layer gathered (FSDP2 prefetches
     the next one on CUDA; on CPU the all-gather's flat output stays until the next gather), the
     final norm with the [norm + lm_head] unit gathered and its all-gather output, then the loss
@@ -696,7 +595,7 @@ def _host_memory(c: Qwen3Config, layout: Layout, o: Options, x: _PerLayer) -> Ho
     )
 
 
-def _cpu_offload_cost(c: Qwen3Config, layout: Layout, o: Options, u: _Units) -> CpuOffloadCost:
+def _cpu_offload_cost(c: Qwen3Config, layout: Layout, o: Options, u: FsdpUnits) -> CpuOffloadCost:
     """Gathers per step: layers resharded after forward twice (forward, backward), the last layer
     once; untied: the embedding twice, [norm + lm_head] once; tied: the root once. Every gradient
     shard goes out once; AdamW touches ADAMW_CPU_PASSES x 4 B per parameter element."""
@@ -754,7 +653,7 @@ def plan(
     )
     layout = Layout(gpus, sp, dp, gpus_per_node or min(gpus, 8))
     t, L = seq_len // sp, config.num_hidden_layers
-    u, x = _units(config, gpus, o.master_bytes), _per_layer(config, seq_len, sp, o)
+    u, x = fsdp_units(config, gpus, o.master_bytes), _per_layer(config, seq_len, sp, o)
     state = ShardedState(u.all_shards, u.all_shards, 2 * u.all_shards)
     held = Held(
         param_shards=0 if o.cpu_offload else state.params,
@@ -777,108 +676,3 @@ def plan(
         flops=_flops(config, seq_len, layout, o),
         eval_moments=_eval_moments(config, t, layout, o, u),
     )
-
-
-# ---- choices made from plans, and train.py's plan ---------------------------------------------
-def choose_save_attention(config: Qwen3Config, seq_len: int, **options) -> bool:
-    """Attention once, or not, when the run does not say: plan() both ways with `options` (gpus,
-    sp, ..., host_mem_gb: plan()'s keywords) and keep attention when that plan fits host memory
-    (with no host_mem_gb, any amount does) and the GPU too, unless the other does not fit it either.
-    Saved attention costs host memory (out + lse: 1 GiB + 16 MiB per layer per GPU at the recipe),
-    so the longest rows may have to recompute it."""
-    return save_attention_choice(config, seq_len, None, **options)[0]
-
-
-def save_attention_choice(
-    config: Qwen3Config, seq_len: int, given: bool | None, **options
-) -> tuple[bool, str]:
-    """(save_attention, why): `given` when the run says (--save-attention / --no-save-attention),
-    else choose_save_attention's rule, with its reason."""
-    if given is not None:
-        return bool(given), "--save-attention" if given else "--no-save-attention"
-    options.pop("save_attention", None)
-    options.pop("save_attention_why", None)
-    on = plan(config, seq_len, save_attention=True, **options)
-    need = f"{on.host.per_node / GB:.0f} GB host per node"
-    limit = on.options.host_mem_gb
-    if not on.fits_host:
-        return False, f"auto: it would need {need}, over --host-mem-gb {limit:g}"
-    if not on.fits_gpu and plan(config, seq_len, save_attention=False, **options).fits_gpu:
-        gpu = on.options.gpu_mem_gb
-        return False, f"auto: its last layer's tensors would not fit {gpu:g} GB per GPU"
-    return True, f"auto: {need}" + ("" if limit is None else f" fits --host-mem-gb {limit:g}")
-
-
-def _run_options(
-    cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str
-) -> tuple[int, dict]:
-    b = dtype if isinstance(dtype, int) else dtype.itemsize
-    return -(-cfg.seq_len // sp) * sp, dict(
-        gpus=world,
-        sp=sp,
-        dp=dp,
-        offload=cfg.offload,
-        offload_min_bytes=cfg.offload_min_bytes,
-        tiled_mlp=cfg.tile_mlp > 0,
-        mlp_tile=cfg.tile_mlp,
-        loss_chunk=cfg.loss_chunk,
-        compute_bytes=b,
-        gpu_mem_gb=cfg.gpu_mem_gb,
-        host_mem_gb=cfg.host_mem_gb,
-        model=cfg.model,
-        device=device,
-        cpu_offload=bool(getattr(cfg, "cpu_offload", False)),
-        attn_backend=getattr(cfg, "attn_backend", "auto"),
-    )
-
-
-def plan_for_run(
-    cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str
-) -> Plan:
-    """The plan of exactly one train.py run: its TrainConfig `cfg`, model config, layout, compute
-    dtype (a torch.dtype or its byte size) and device type ("cuda" or "cpu").
-
-    cfg.save_attention (absent or None: choose_save_attention decides) -> plan.options.
-    save_attention, what the run should pass to apply_offload; save_attention_why says how.
-    """
-    seq_len, kw = _run_options(cfg, config, world, sp, dp, dtype, device)
-    given = getattr(cfg, "save_attention", None)
-    save, why = save_attention_choice(config, seq_len, given, **kw)
-    return plan(config, seq_len, save_attention=save, save_attention_why=why, **kw)
-
-
-def max_seq_len(
-    config: Qwen3Config, gpus: int, sp: int, *, multiple: int | None = None, **options
-) -> int:
-    """The longest sequence, a multiple of `multiple` (default 1024 x sp), whose plan fits.
-
-    Fits means GPU peak + CUDA context + NCCL + reserve <= gpu_mem_gb and, when host_mem_gb is
-    given, the host memory per node too. Returns 0 when not even one multiple fits. options:
-    plan()'s keywords, e.g. save_attention=True (attention once: the pinned host memory per token
-    roughly doubles).
-    """
-    step = multiple or 1024 * sp
-    if step % sp:
-        raise ValueError(f"multiple ({step}) must be a multiple of sp ({sp})")
-
-    def fits(k: int) -> bool:
-        return plan(config, k * step, gpus=gpus, sp=sp, **options).fits
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2  # memory grows with length: double until it no longer fits, then bisect
-    while fits(hi):
-        lo, hi = hi, hi * 2
-        if hi > 2**40:
-            raise ValueError("no memory limit reached: check gpu_mem_gb")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * step
-
-
-def load_config(name_or_path: str) -> Qwen3Config:
-    """A preset name, or a config.json / model directory read with Qwen3Config.from_hf."""
-    if name_or_path in PRESETS:
-        return Qwen3Config.preset(name_or_path)
-    return Qwen3Config.from_hf(name_or_path)

@@ -66,7 +66,7 @@ def fake_process_group(world: int, local_world: int | None = None):
 # torch's FlopCounterMode knows the CUDA attention kernels but not the CPU ones a rehearsal runs.
 # Both products of attention (QK^T and PV) are 2 x T_q x T_k x head_dim FLOPs per head; causal
 # attention computes half of them. The backward does 5 such products (QK^T again, dV, dP, dQ,
-# dK): 2.5x the forward, FlashAttention-2's count and memory/plan.py's.
+# dK): 2.5x the forward, FlashAttention-2's count and memory/model_size.py's.
 def _causal_factor(is_causal) -> float:
     return 0.5 if is_causal else 1.0
 

@@ -23,6 +23,8 @@ import os
 import sys
 from dataclasses import asdict, replace
 
+from memory.choices import choose_save_attention, load_config, max_seq_len, save_attention_choice
+from memory.model_size import step_flops
 from memory.plan import (
     ADAMW_CPU_PASSES,
     CUDA_CONTEXT_GB,
@@ -32,12 +34,7 @@ from memory.plan import (
     GiB,
     Moment,
     Plan,
-    choose_save_attention,
-    load_config,
-    max_seq_len,
     plan,
-    save_attention_choice,
-    step_flops,
 )
 from memory.steptime import Rates, project, read_calibration, startup
 from memory.sweep import format_sweep, sweep

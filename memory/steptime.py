@@ -11,8 +11,8 @@ first one starts, projected from the plan before any GPU is rented.
     startup(p).time_s         # start, weights from disk, host blocks pinned: before step 1
     python -m memory.steptime # the model against the public runs' measured steps
 
-Compute: step_flops' count (memory/plan.py: 2 FLOPs per multiply-add, attention's backward 2.5x
-its forward, one more forward of every layer in backward, with or without its attention) on one
+Compute: step_flops' count (memory/model_size.py: 2 FLOPs per multiply-add, attention's backward
+2.5x its forward, one more forward of every layer in backward, with or without its attention) on one
 GPU (a row's FLOPs over its sp GPUs), in four phases: forward (the layers' matmuls and attention),
 loss (the chunked loss's 3 lm_head products), backward (each layer's recompute and gradients),
 optimizer (clipping and AdamW). Each kind of kernel runs at a rate (Rates): assumed, the public
@@ -41,16 +41,9 @@ import sys
 from dataclasses import asdict, dataclass, replace
 
 from memory.buffers import Buffer
-from memory.plan import (
-    GB,
-    Plan,
-    host_pinned_bytes,
-    load_config,
-    param_shapes,
-    plan,
-    shard_numel,
-    step_flops,
-)
+from memory.choices import load_config
+from memory.model_size import host_pinned_bytes, param_shapes, shard_numel, step_flops
+from memory.plan import GB, Plan, plan
 from model.config import PRESETS, Qwen3Config
 
 # TFLOP/s per GPU of step_flops' count, attention included (its 2.5x backward) and whole-layer

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from memory.plan import GB, Plan, param_shapes, plan
+from memory.model_size import param_shapes
+from memory.plan import GB, Plan, plan
 from memory.steptime import PUBLIC_RUNS, Rates, StepTime, project, public_projections
 from model.config import PRESETS, Qwen3Config
 

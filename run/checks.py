@@ -350,7 +350,8 @@ def check_host_memory(cfg, mc: Qwen3Config, world: int, sp: int, dp: int, origin
     host figure would turn away the 2-process demo on an 8 GB laptop."""
     import torch
 
-    from memory.plan import GB, plan_for_run
+    from memory.choices import plan_for_run
+    from memory.plan import GB
 
     if not torch.cuda.is_available():  # train.py runs on CPU exactly then
         return

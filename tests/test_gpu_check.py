@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
-from memory.plan import load_config, plan
+from memory.choices import load_config
+from memory.plan import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("loss", "layers", "attention", "backends", "optimizer", "int32", "cpu_offload")

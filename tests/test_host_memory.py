@@ -14,7 +14,8 @@ import torch
 from dist_utils import run_distributed, run_train
 
 import train
-from memory.plan import GB, plan_for_run
+from memory.choices import plan_for_run
+from memory.plan import GB
 from model.config import ConfigError
 from run import checks
 from run.host_memory import host_memory_bytes, physical_memory_bytes

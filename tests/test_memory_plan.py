@@ -19,16 +19,9 @@ import pytest
 import torch
 
 from memory.buffers import Buffer, layer_saved_bytes
-from memory.plan import (
-    GB,
-    GiB,
-    choose_save_attention,
-    max_seq_len,
-    param_shapes,
-    plan,
-    plan_for_run,
-    shard_numel,
-)
+from memory.choices import choose_save_attention, max_seq_len, plan_for_run
+from memory.model_size import param_shapes, shard_numel
+from memory.plan import GB, GiB, plan
 from memory.report import format_plan, plan_to_dict
 from model.config import Qwen3Config
 from model.host_pool import host_bytes_for
@@ -530,7 +523,7 @@ def test_train_reserves_the_host_blocks_the_plan_counts(save, min_bytes, monkeyp
     counts (HostMemory), and lays them out for the bytes the plan has a step copy to the host:
     255 tokens over sp=2, padded to 256, with and without attention once."""
     import train
-    from memory.plan import plan_for_run
+    from memory.choices import plan_for_run
     from model.host_pool import HostPool
 
     monkeypatch.setattr(train.dist, "get_rank", lambda: 0)  # no process group in this test

@@ -13,7 +13,7 @@ other's reference. For each shape below, within 3%:
   - step 1's peak against the plan's first step (AdamW makes its states after the peak),
   - step 2's peak within the loss phase and within the layers' backward, each against the
     planner's largest moment there,
-  - step 1's FLOPs (torch's flop formulas) against memory/plan.py's step_flops per rank.
+  - step 1's FLOPs (torch's flop formulas) against memory/model_size.py's step_flops per rank.
 
 Every shape runs on the recipe's preset (qwen3-8b-1m: bf16, YaRN x32, offload, MLP tiles of
 16,384 tokens, loss chunks of 256) from a directory holding only a config.json written from

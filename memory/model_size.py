@@ -1,0 +1,130 @@
+"""Model-size arithmetic: every parameter's shape, one rank's shard of it under FSDP2, and the
+FLOPs of a training step. Nothing is allocated: every size is arithmetic on the config.
+
+    from memory.model_size import param_shapes, shard_numel, fsdp_units, step_flops
+    shapes = param_shapes(Qwen3Config.preset("qwen3-8b"))   # Hugging Face name -> shape
+    shard_numel(shapes["model.embed_tokens.weight"], world=8)   # one rank's elements
+    fsdp_units(Qwen3Config.preset("qwen3-8b"), world=8, master_bytes=4).layer_gathered
+    step_flops(Qwen3Config.preset("qwen3-8b"), 1_048_576)["full_recompute"]
+
+FSDP2 shards every parameter on its first dimension over all ranks, padding that dimension to a
+multiple of the world size: every rank stores ceil(dim0 / world) rows, and an all-gathered unit
+(a decoder layer, the embedding, [final norm + lm_head]) keeps the padding. With CPU offload each
+parameter and gradient shard is one pinned host buffer, rounded up to a power of two
+(host_pinned_bytes). FLOPs count matrix products only, 2 per multiply-add (step_flops).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from model.config import Qwen3Config
+
+
+def param_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape under its Hugging Face name (lm_head left out when tied)."""
+    c, H = config, config.hidden_size
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, H)}
+    for i in range(c.num_hidden_layers):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in _layer_shapes(c).items()})
+    shapes["model.norm.weight"] = (H,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, H)
+    return shapes
+
+
+def _layer_shapes(c: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    return {
+        "self_attn.q_proj.weight": (q, H),
+        "self_attn.k_proj.weight": (kv, H),
+        "self_attn.v_proj.weight": (kv, H),
+        "self_attn.o_proj.weight": (H, q),
+        "self_attn.q_norm.weight": (hd,),
+        "self_attn.k_norm.weight": (hd,),
+        "mlp.gate_proj.weight": (inter, H),
+        "mlp.up_proj.weight": (inter, H),
+        "mlp.down_proj.weight": (H, inter),
+        "input_layernorm.weight": (H,),
+        "post_attention_layernorm.weight": (H,),
+    }
+
+
+def shard_numel(shape: tuple[int, ...], world: int) -> int:
+    """Elements one rank stores for a tensor that FSDP2 shards on dim 0 over `world` ranks.
+
+    FSDP2 pads dim 0 to a multiple of the world size, so every rank's storage has
+    ceil(dim0 / world) rows (rank 0 always uses all of them).
+    """
+    return math.ceil(shape[0] / world) * math.prod(shape[1:])
+
+
+def host_pinned_bytes(n: int) -> int:
+    """Bytes torch's pinned host allocator (CachingHostAllocator) takes for one n-byte buffer: n
+    rounded up to a power of two. FSDP2's CPU offload pins each parameter shard and each gradient
+    shard this way (a 3 GiB buffer would cost 4)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+def _gathered_numel(shapes, world: int) -> int:
+    # An all-gathered unit keeps the padding: world x the padded shard.
+    return sum(shard_numel(s, world) * world for s in shapes)
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """FSDP2's units on one rank: a decoder layer, the embedding, [final norm + lm_head]."""
+
+    layer_gathered: int  # elements of an all-gathered decoder layer
+    emb_gathered: int  # elements of the all-gathered embedding (or lm_head)
+    head_gathered: int  # elements of the all-gathered [final norm + lm_head] unit
+    layer_shard: int  # bytes of one rank's fp32 shard of a decoder layer
+    emb_shard: int  # bytes of one rank's fp32 shard of the embedding (or lm_head)
+    norm_shard: int  # bytes of one rank's fp32 shard of the final norm
+    all_shards: int  # bytes of one rank's fp32 shards of every parameter
+
+
+def fsdp_units(c: Qwen3Config, world: int, master_bytes: int) -> FsdpUnits:
+    """FSDP2's units of config `c` on the rank holding the largest shards of `world` ranks, with
+    fp32 shards of `master_bytes` per element."""
+    layer, emb, norm = _layer_shapes(c).values(), (c.vocab_size, c.hidden_size), (c.hidden_size,)
+    all_shards = sum(shard_numel(s, world) for s in param_shapes(c).values())
+    return FsdpUnits(
+        layer_gathered=_gathered_numel(layer, world),
+        emb_gathered=_gathered_numel([emb], world),
+        head_gathered=_gathered_numel([emb, norm], world),
+        layer_shard=sum(shard_numel(s, world) for s in layer) * master_bytes,
+        emb_shard=shard_numel(emb, world) * master_bytes,
+        norm_shard=shard_numel(norm, world) * master_bytes,
+        all_shards=all_shards * master_bytes,
+    )
+
+
+def step_flops(
+    config: Qwen3Config, seq_len: int, *, attn_bwd_factor: float = 2.5
+) -> dict[str, float]:
+    """FLOPs of one row (2 per multiply-add), forward pieces and the three totals.
+
+    Forward: dense matmuls 2 x (non-embedding matmul parameters) x T; lm_head 2 x V x H x T
+    (the embedding is a lookup); causal attention 2 x T^2/2 x heads x head_dim for QK^T and the
+    same for PV, per layer. Backward: 2x forward for matmuls; attention's backward is 2.5x its
+    forward (FlashAttention's backward does 5 T^2 products against the forward's 2, recomputing
+    QK^T). The one-pass loss does its 3 products in forward and none in backward: same count.
+    Recomputation adds one forward of the layers, without lm_head, with or without attention.
+    """
+    c, T = config, seq_len
+    layer_mm = sum(math.prod(s) for s in _layer_shapes(c).values() if len(s) == 2)
+    dense = 2.0 * layer_mm * c.num_hidden_layers * T
+    lm_head = 2.0 * c.vocab_size * c.hidden_size * T
+    attn = c.num_hidden_layers * 2 * (2.0 * T * T / 2) * c.num_attention_heads * c.head_dim
+    model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn
+    return {
+        "dense_fwd": dense,
+        "lm_head_fwd": lm_head,
+        "attention_fwd": attn,
+        "model": model,
+        "no_attn_recompute": model + dense,
+        "full_recompute": model + dense + attn,
+    }
