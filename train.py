@@ -8,11 +8,11 @@
 
 Reading order: the config and its presets; the process group; the optimizer and its schedule;
 train_step (forward, chunked loss, backward, grad norm, step or skip), the one function that
-trains; then main() and train(), which build the run (data, sharded model, offload pool, resume)
-and loop over steps; the loop's bookkeeping (records, console lines, signals, the non-finite guard,
-checkpoints) is in run/. Every check runs before the process group and any weight is read
-(run/checks.py). Each sp group shares one row (Ulysses: T/sp tokens per GPU); dp groups take
-different rows.
+trains; then main() and train(), which build the run (data, the model and its offload pool from
+run/build.py, resume) and loop over steps; the loop's bookkeeping (records, console lines,
+signals, the non-finite guard, checkpoints) is in run/. Every check runs before the process
+group and any weight is read (run/checks.py). Each sp group shares one row (Ulysses: T/sp tokens
+per GPU); dp groups take different rows.
 """
 
 from __future__ import annotations
@@ -51,23 +51,16 @@ from loss.chunked_ce import chunked_cross_entropy
 from memory.choices import plan_for_run
 from memory.meter import StepMeter
 from memory.model_size import step_flops
-from memory.report import format_plan, plan_warnings
+from memory.report import format_plan
 from memory.snapshot import cuda_memory_history
 from memory.steptime import read_calibration
 from memory.sweep import format_sweep, sweep
-from model.attention import (
-    BACKENDS,
-    BackendChoice,
-    pick_backend,
-    saved_attention_bytes,
-    set_backend,
-)
-from model.attention_probe import probe_kernel
-from model.checkpoint_offload import apply_offload, offloaded_tensors
+from model.attention import BACKENDS
+from model.checkpoint_offload import apply_offload
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
-from model.parallel import build_mesh, build_sharded_model, ulysses_group
-from model.ulysses import UlyssesAttention
+from model.parallel import build_mesh
+from run.build import build_model, compute_dtype, log0, sharded_model
 from run.checkpoint import (
     DiskSpaceError,
     checkpoints,
@@ -358,11 +351,6 @@ def init_distributed(cpu_offload: bool = False) -> tuple[int, int, int, torch.de
     return rank, world, local_world, device
 
 
-def log0(*args) -> None:
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(*args, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # Optimizer and schedule
 # ---------------------------------------------------------------------------------------------
@@ -648,14 +636,8 @@ def rehearse(cfg: TrainConfig) -> None:
         )
 
 
-def compute_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype != "auto":
-        return getattr(torch, cfg.dtype)
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
-
-
 # ---------------------------------------------------------------------------------------------
-# The run: what it is, the model and its offload pool, resume, the steps, the save
+# The run: what it is, its model (run/build.py), resume, the steps, the save
 # ---------------------------------------------------------------------------------------------
 PEAK_TFLOPS = {  # dense bf16 per GPU, from the vendors' data sheets (for the mfu field)
     "H100": 989.0,
@@ -706,113 +688,6 @@ def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
             f"warning: --seq-len {cfg.seq_len:,} exceeds max_position_embeddings "
             f"({mc.max_position_embeddings:,}); long-context runs want --yarn-factor"
         )
-
-
-def choose_attention(cfg, mc, sp, device, dtype) -> tuple[TrainConfig, BackendChoice]:
-    """Pick the attention kernel for this layout, on CUDA by running each candidate once at this
-    rank's heads (model/attention_probe.py); cfg then names it, for the plan (flash's backward
-    expands dk, dv). sdpa keeps no lse, so no attention once."""
-    try:
-        choice = pick_backend(
-            device,
-            dtype,
-            num_heads=mc.num_attention_heads // sp,
-            num_kv_heads=max(mc.num_key_value_heads // sp, 1),
-            head_dim=mc.head_dim,
-            seq_len=cfg.seq_len,
-            request=cfg.attn_backend,
-            probe=probe_kernel if device.type == "cuda" else None,
-        )
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    set_backend(choice.name)
-    cfg = dataclasses.replace(cfg, attn_backend=choice.name)
-    if choice.name == "sdpa":
-        cfg = dataclasses.replace(cfg, save_attention=False)
-    return cfg, choice
-
-
-def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
-    if planned.options.save_attention:
-        padded_row = math.ceil(cfg.seq_len / sp) * sp
-        kept = saved_attention_bytes(
-            padded_row, mc.num_attention_heads, mc.head_dim, dtype.itemsize, sp=sp
-        )
-        where = "host" if cfg.offload else "device"
-        how = f"attention once per layer, {kept / 2**20:,.1f} MiB per layer per GPU on the {where}"
-    else:
-        how = "attention recomputed in backward"
-    why = f" ({planned.options.save_attention_why})" if planned.options.save_attention_why else ""
-    passed = f"; {backend.why}" if backend.why else ""  # why cuDNN (say) was passed over
-    log0(f"attention: {BACKENDS[backend.name]} ({backend.name}{passed}); {how}{why}")
-    for warning in plan_warnings(planned):
-        log0(f"warning: {warning}")
-
-
-def reserve_host_blocks(pool, cfg, mc, sp, dtype, device, save_attention: bool) -> None:
-    """Pin every host block the steps will use now: pinning takes seconds and synchronises, so
-    no step should do it. The blocks hold model/checkpoint_offload.py's offloaded_tensors: each
-    layer's input, or with attention once the input, out and lse of all layers but the last."""
-    saved = offloaded_tensors(mc, cfg.seq_len, sp, dtype=dtype, save_attention=save_attention)
-    show_progress = dist.get_rank() == 0 and sys.stderr.isatty()
-    pinned = blocks = seconds = 0
-    for kind in saved:
-        r = pool.reserve(kind.count, kind.shape, kind.dtype, device, progress=show_progress)
-        pinned, blocks, seconds = (
-            pinned + r["pinned_bytes"],
-            blocks + r["blocks"],
-            seconds + r["seconds"],
-        )
-    log0(f"offload: pinned {pinned / 2**30:.2f} GiB in {blocks} host blocks in {seconds:.1f} s")
-
-
-def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
-    """(cfg, model, pool, plan): the sharded model with Ulysses attention and its kernel, the
-    memory plan, and the offload pool with its host blocks. fake_mode: all of it on fake
-    tensors, nothing loaded (train.py --rehearse). cfg comes back with what was decided."""
-    world, sp = mesh.size(), mesh.size(1)
-    cfg, model, backend = sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode)
-    # Attention once when asked, or (unset) when the planner finds host memory for it.
-    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
-    log_attention(cfg, mc, sp, dtype, backend, planned)
-    pool = apply_offload(
-        model,
-        offload=cfg.offload,
-        min_bytes=cfg.offload_min_bytes,
-        tile_mlp=cfg.tile_mlp or None,
-        save_attention=planned.options.save_attention,
-    )
-    if cfg.offload:
-        with fake_mode or contextlib.nullcontext():
-            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
-    return cfg, model, pool, planned
-
-
-def sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode=None):
-    """(cfg, model, backend): the sharded model, read from model_dir or initialised from
-    --seed, with Ulysses attention over the mesh's sp ranks and its kernel chosen; what a run
-    and --eval-only share. cfg comes back naming the kernel."""
-    t0 = time.perf_counter()
-    model, load_stats = build_sharded_model(
-        mc,
-        mesh,
-        device=device,
-        model_dir=model_dir,
-        param_dtype=dtype,
-        cpu_offload=cfg.cpu_offload,
-        seed=cfg.seed,
-        fake_mode=fake_mode,
-    )
-    if fake_mode is not None:
-        loaded = "fake tensors, nothing loaded"
-    elif load_stats:
-        loaded = f"read {load_stats.bytes_read / 2**30:.2f} GiB on rank 0"
-    else:
-        loaded = "random init"
-    log0(f"model ready in {time.perf_counter() - t0:.1f} s, {loaded}")
-    model.set_attention(UlyssesAttention(ulysses_group(mesh)))
-    cfg, backend = choose_attention(cfg, mc, sp=mesh.size(1), device=device, dtype=dtype)
-    return cfg, model, backend
 
 
 def resume_from(cfg, model, optimizer, loader, rank) -> int:

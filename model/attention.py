@@ -19,7 +19,7 @@ the pair that lets backward skip attention's forward. Each op takes fewer kv hea
 
 Choosing: torch's own checks on tiny tensors say which kernels accept these heads, dtype and
 head_dim; torch's preference rule (cudnn_gate) says whether cuDNN is first; a probe, where given
-(train.py passes model/attention_probe.py's probe_kernel on CUDA), runs each candidate once at
+(run/build.py passes model/attention_probe.py's probe_kernel on CUDA), runs each candidate once at
 the real layout and length and passes over one that fails, naming why.
 
 Attention once. Whole-layer checkpointing runs a layer's forward twice: in forward, and again in

@@ -255,14 +255,15 @@ def test_probe_failure_falls_back_to_flash_with_the_reason(capsys):
     # a named backend that fails its probe is refused, not swapped
     with pytest.raises(ValueError, match="'cudnn' failed its probe .*No valid execution plans"):
         pick_backend("cuda", bf16, **kw, request="cudnn", probe=_failing({"cudnn": boom}))
-    # train.py's log line names the kernel and why the one before it was passed over
+    # the run's log line names the kernel and why the one before it was passed over
     import train
     from memory.plan import plan
     from model.config import ConfigError
+    from run.build import choose_attention, log_attention
 
     tiny = Qwen3Config.preset("tiny")
     planned = plan(tiny, 512, gpus=1, sp=1, device="cpu")
-    train.log_attention(train.TrainConfig(seq_len=512), tiny, 1, torch.float32, c, planned)
+    log_attention(train.TrainConfig(seq_len=512), tiny, 1, torch.float32, c, planned)
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith(f"attention: FlashAttention-2 (flash; cudnn: {boom}); "), line
     # and a refusal becomes its one-line ConfigError
@@ -270,9 +271,7 @@ def test_probe_failure_falls_back_to_flash_with_the_reason(capsys):
     if not torch.cuda.is_available():
         cfg = train.TrainConfig(seq_len=2**20)
         with pytest.raises(ConfigError) as e:
-            train.choose_attention(
-                cfg, Qwen3Config.preset("qwen3-8b"), 8, torch.device("cuda"), bf16
-            )
+            choose_attention(cfg, Qwen3Config.preset("qwen3-8b"), 8, torch.device("cuda"), bf16)
         assert "\n" not in str(e.value) and "cudnn: torch's checks refuse" in str(e.value)
 
 

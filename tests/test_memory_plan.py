@@ -519,19 +519,20 @@ def test_pool_pins_what_the_plan_says():
     [(False, 0), (True, 0), (True, 16 * 1024)],  # lse [1, 2, 256] fp32 (2 KiB) below 16 KiB stays
 )
 def test_train_reserves_the_host_blocks_the_plan_counts(save, min_bytes, monkeypatch):
-    """train.py's reserve_host_blocks pins before step 1 exactly the host blocks its run's plan
-    counts (HostMemory), and lays them out for the bytes the plan has a step copy to the host:
-    255 tokens over sp=2, padded to 256, with and without attention once."""
+    """run/build.py's reserve_host_blocks pins before step 1 exactly the host blocks its run's
+    plan counts (HostMemory), and lays them out for the bytes the plan has a step copy to the
+    host: 255 tokens over sp=2, padded to 256, with and without attention once."""
     import train
     from memory.choices import plan_for_run
     from model.host_pool import HostPool
+    from run import build
 
-    monkeypatch.setattr(train.dist, "get_rank", lambda: 0)  # no process group in this test
+    monkeypatch.setattr(build.dist, "get_rank", lambda: 0)  # no process group in this test
     mc = replace(TINY, num_hidden_layers=3)
     run = train.TrainConfig(seq_len=255, offload_min_bytes=min_bytes, save_attention=save)
     p = plan_for_run(run, mc, 2, 2, 1, torch.float32, "cpu")
     pool = HostPool(min_bytes=min_bytes)
-    train.reserve_host_blocks(pool, run, mc, 2, torch.float32, "cpu", p.options.save_attention)
+    build.reserve_host_blocks(pool, run, mc, 2, torch.float32, "cpu", p.options.save_attention)
     s = pool.stats()
     assert s.pinned_bytes == p.host.saved_inputs_per_gpu + p.host.saved_attention_per_gpu > 0
     assert 2 * s.pool_bytes == p.host.offload_bytes_per_step
