@@ -32,6 +32,7 @@ row's last token).
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.autograd.function import once_differentiable
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -42,25 +43,30 @@ def _fused_ops(device):
     """Whether torch.mm and an in-place torch.addmm take bf16 operands with an fp32 output here
     (CUDA does; CPU does not). Checked once per device type, on sums that bf16 cannot hold."""
     if device.type not in _FUSED:
-        a = torch.tensor([[1.0, 2.0**-8]], dtype=torch.bfloat16, device=device)  # [1, 2]
-        b = torch.ones(2, 1, dtype=torch.bfloat16, device=device)
-        out = torch.empty(1, 1, device=device)
-        found = []
-        for op, want in (
-            (lambda: torch.mm(a, b, out_dtype=torch.float32, out=out), 1 + 2.0**-8),
-            (
-                lambda: torch.addmm(
-                    out.fill_(1 + 2.0**-12), a, b, out_dtype=torch.float32, out=out
-                ),
-                2 + 2.0**-8 + 2.0**-12,
-            ),
-        ):
-            try:
-                found.append(op().item() == want)
-            except (RuntimeError, NotImplementedError, TypeError):
-                found.append(False)
-        _FUSED[device.type] = tuple(found)
+        # Asked of real tensors even under FakeTensorMode (a rehearsal): the answer is the
+        # device kernels', and a fake GEMM may raise where the real one runs (torch 2.11 does).
+        with unset_fake_temporarily():
+            _FUSED[device.type] = _run_fused_ops(device)
     return _FUSED[device.type]
+
+
+def _run_fused_ops(device) -> tuple[bool, bool]:
+    a = torch.tensor([[1.0, 2.0**-8]], dtype=torch.bfloat16, device=device)  # [1, 2]
+    b = torch.ones(2, 1, dtype=torch.bfloat16, device=device)
+    out = torch.empty(1, 1, device=device)
+    found = []
+    for op, want in (
+        (lambda: torch.mm(a, b, out_dtype=torch.float32, out=out), 1 + 2.0**-8),
+        (
+            lambda: torch.addmm(out.fill_(1 + 2.0**-12), a, b, out_dtype=torch.float32, out=out),
+            2 + 2.0**-8 + 2.0**-12,
+        ),
+    ):
+        try:
+            found.append(op().item() == want)
+        except (RuntimeError, NotImplementedError, TypeError):
+            found.append(False)
+    return tuple(found)
 
 
 def _logits_fp32(h, weight, out, low: bool, fused_mm: bool) -> torch.Tensor:
