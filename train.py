@@ -26,7 +26,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from run.signals import StopSignals
 
@@ -59,7 +58,7 @@ from model.attention import BACKENDS
 from model.checkpoint_offload import apply_offload
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
-from model.parallel import build_mesh
+from model.parallel import GROUP_TIMEOUT, build_mesh
 from run.build import build_model, compute_dtype, log0, sharded_model
 from run.checkpoint import (
     DiskSpaceError,
@@ -337,8 +336,7 @@ def init_distributed(cpu_offload: bool = False) -> tuple[int, int, int, torch.de
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    # An hour, not NCCL's 10 minutes: local rank 0 may be downloading 16 GB while the others wait.
-    timeout = timedelta(minutes=60)
+    timeout = GROUP_TIMEOUT  # an hour, not NCCL's 10 minutes (model/parallel.py says why)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -32,6 +32,7 @@ the CPU. Pinned on CUDA (one pinned buffer per parameter shard, so the copies ca
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,12 @@ from model.weights import LoadStats, load_safetensors
 
 MESH_DIMS = ("dp", "sp")
 SHARD_DIM = "dp_sp"  # the flattened dimension FSDP2 shards over
+# How long every process group of a run waits in a collective before it aborts: an hour, not
+# NCCL's default 10 minutes, because a rank may run far ahead of the others (local rank 0
+# downloading 16 GB, pinning ~72 GiB of host memory, probing kernels, a step several times the
+# recipe's) and NCCL's watchdog counts from when the work was queued. One value for every group:
+# the world (train.py's init_process_group), the mesh's dp, sp and dp_sp groups, the Ulysses ones.
+GROUP_TIMEOUT = timedelta(minutes=60)
 
 
 def local_world_size(device_type: str) -> int:
@@ -88,8 +95,19 @@ def build_mesh(world_size: int, sp: int = 1, device_type: str = "cuda") -> Devic
             f"use an sp that divides {per_node} and let dp span the nodes"
         )
     mesh = init_device_mesh(device_type, (world_size // sp, sp), mesh_dim_names=MESH_DIMS)
-    shard_mesh(mesh)  # create the flattened group now, on every rank together
+    flat = shard_mesh(mesh)  # create the flattened group now, on every rank together
+    for group in (mesh["dp"].get_group(), mesh["sp"].get_group(), flat.get_group()):
+        set_group_timeout(group)
     return mesh
+
+
+def set_group_timeout(group: dist.ProcessGroup) -> None:
+    """Give `group` GROUP_TIMEOUT. init_device_mesh creates its sub-groups with the backend's
+    default (10 minutes on NCCL) and takes no timeout; torch's _set_pg_timeout changes it after
+    the fact, as torchtitan does. The fake backend of a rehearsal has no timeout to set."""
+    if dist.get_backend(group) == "fake":
+        return
+    dist.distributed_c10d._set_pg_timeout(GROUP_TIMEOUT, group)
 
 
 def shard_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -272,7 +290,7 @@ def ulysses_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     Collective: every rank creates every sp group, in the same order (mesh rows)."""
     mine = None
     for ranks in mesh.mesh.reshape(-1, mesh.size(1)).tolist():  # one row of the (dp, sp) grid each
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=GROUP_TIMEOUT)
         if dist.get_rank() in ranks:
             mine = group
     return mine

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
+from model.parallel import GROUP_TIMEOUT
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs train.py as __main__ (a dry run: no process group) with an import hook that notes the
@@ -56,11 +58,17 @@ def test_expandable_segments_are_set_before_torch_is_imported_unless_the_user_ch
     assert torch_import_setting(legacy) == "at torch import: None"
 
 
+def _timeout(group) -> float:
+    """The seconds a gloo group waits in a collective before it aborts."""
+    return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+
+
 def _ulysses_groups(rank, world, sp):
-    from model.parallel import build_mesh, ulysses_group
+    from model.parallel import build_mesh, shard_mesh, ulysses_group
 
     mesh = build_mesh(world, sp, "cpu")
     group = ulysses_group(mesh)
+    mesh_groups = [mesh[d].get_group() for d in ("dp", "sp")] + [shard_mesh(mesh).get_group()]
     x = torch.full((1,), float(rank))
     dist.all_reduce(x, group=group)  # the group works: the sum of its ranks
     return {
@@ -69,6 +77,7 @@ def _ulysses_groups(rank, world, sp):
         "same_as_mesh": group is mesh["sp"].get_group(),
         "same_as_world": group is dist.group.WORLD,
         "sum": x.item(),
+        "timeouts": [_timeout(g) for g in [group, *mesh_groups]],
     }
 
 
@@ -79,6 +88,37 @@ def test_ulysses_runs_on_a_group_of_its_own():
             assert got["ranks"] == got["mesh_sp_ranks"], (world, rank, got)
             assert not got["same_as_mesh"] and not got["same_as_world"], (world, rank)
             assert got["sum"] == sum(got["ranks"]), (world, rank, got)
+            assert got["timeouts"] == [GROUP_TIMEOUT.total_seconds()] * 4, (world, rank, got)
+
+
+# train.py's own process group (a plain `python train.py`: a group of one), then the mesh's and
+# the Ulysses groups, as a run creates them: every one waits as long as the world group.
+GROUP_TIMEOUTS = r"""
+import torch
+import train
+from model.parallel import build_mesh, shard_mesh, ulysses_group
+train.init_distributed()
+mesh = build_mesh(1, 1, "cpu")
+groups = [torch.distributed.group.WORLD, ulysses_group(mesh), mesh["dp"].get_group(),
+          mesh["sp"].get_group(), shard_mesh(mesh).get_group()]
+print([g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups])
+"""
+
+
+def test_every_process_group_waits_as_long_as_the_world_group():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    p = subprocess.run(
+        [sys.executable, "-c", GROUP_TIMEOUTS],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    world, *others = eval(p.stdout.strip().splitlines()[-1])
+    assert world == GROUP_TIMEOUT.total_seconds() == 3600
+    assert others == [world] * 4
 
 
 def test_make_optimizer_is_fused_and_equals_foreach_adamw():
