@@ -31,7 +31,9 @@ saves nothing).
 set_mlp_tiling works on any module holding the three projections as bias-free nn.Linear
 submodules (gate_proj, up_proj, down_proj by default: Qwen3, Llama, transformers' MLPs) whose
 activation is SiLU; it replaces the module instance's `forward`, so state_dict keys and FSDP2's
-hooks are unchanged.
+hooks are unchanged. A module with an activation attribute (`act_fn`, as transformers' MLPs
+have) must compute SiLU with it: a GELU-gated MLP (Gemma's) is refused, since the tiles would
+apply SiLU and train on wrong gradients without a word.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["output_unused", "set_mlp_tiling", "tiled_mlp"]
+__all__ = ["is_silu", "output_unused", "set_mlp_tiling", "tiled_mlp"]
 
 _OUTPUT_UNUSED = False  # inside output_unused(): the tile loop is skipped
 
@@ -153,10 +155,12 @@ def set_mlp_tiling(
     gate: str = "gate_proj",
     up: str = "up_proj",
     down: str = "down_proj",
+    act: str = "act_fn",
 ) -> None:
     """Run the SwiGLU `mlp` in tiles of `tile` tokens (None: its own forward again).
 
-    gate, up, down: the names of its bias-free nn.Linear projections.
+    gate, up, down: the names of its bias-free nn.Linear projections; act: the name of its
+    activation, if it holds one (checked to be SiLU; a module without it is taken as SiLU).
     """
     current = mlp.__dict__.get("forward")
     if isinstance(current, _TiledMLPForward):
@@ -175,4 +179,21 @@ def set_mlp_tiling(
                 f"set_mlp_tiling needs a SwiGLU MLP with bias-free Linear {gate}, "
                 f"{up} and {down}; {type(mlp).__name__}.{name} is {lin!r}"
             )
+    activation = getattr(mlp, act, None)
+    if activation is not None and not is_silu(activation):
+        raise TypeError(
+            f"set_mlp_tiling runs SiLU-gated MLPs only; {type(mlp).__name__}.{act} is "
+            f"{activation!r}, which is not SiLU: leave this MLP untiled"
+        )
     mlp.forward = _TiledMLPForward(mlp, int(tile), (gate, up, down))
+
+
+def is_silu(activation) -> bool:
+    """Whether activation(x) is silu(x), checked on values from -8 to 8 (GELU differs by up to
+    0.2 there, tanh-GELU and ReLU too; x * sigmoid(x) in another form agrees to rounding)."""
+    x = torch.linspace(-8.0, 8.0, 33)
+    try:
+        y = activation(x)
+    except Exception:  # not a function of one tensor: not an activation this file knows
+        return False
+    return isinstance(y, torch.Tensor) and torch.allclose(y, F.silu(x), rtol=1e-5, atol=1e-6)

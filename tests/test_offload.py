@@ -599,3 +599,27 @@ def test_bf16_tiled_offload_matches_plain_checkpoint(device):
         s = pool.reset_step()
         assert s.host_allocs == (CFG.num_hidden_layers * _blocks_ref(x_bytes) if step == 0 else 0)
         assert s.d2h_bytes == CFG.num_hidden_layers * x_bytes
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu_pytorch_tanh", "gelu", "relu"])
+def test_tiled_mlp_refuses_an_activation_other_than_silu(hidden_act):
+    """Gemma's MLP is transformers' gated MLP with tanh-GELU: tiling it with SiLU would train on
+    wrong gradients. transformers' own SiLU MLP (act_fn = SiLUActivation) is taken, and matches."""
+    from transformers import Qwen3Config as HFConfig
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP
+
+    def hf_mlp(act):
+        torch.manual_seed(0)
+        cfg = HFConfig(hidden_size=CFG.hidden_size, intermediate_size=40, hidden_act=act)
+        return Qwen3MLP(cfg)
+
+    gelu = hf_mlp(hidden_act)
+    with pytest.raises(TypeError, match="SiLU-gated MLPs only") as e:
+        set_mlp_tiling(gelu, 7)
+    assert "\n" not in str(e.value)
+    assert "forward" not in gelu.__dict__  # left as it was
+    silu = hf_mlp("silu")
+    x = torch.randn(2, 9, CFG.hidden_size)
+    y0 = silu(x)
+    set_mlp_tiling(silu, 4)
+    torch.testing.assert_close(silu(x), y0, rtol=1e-5, atol=1e-6)
