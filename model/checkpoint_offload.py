@@ -48,7 +48,9 @@ unsharded ones), so FSDP2's pre-backward all-gather and post-backward reduce-sca
 as without us.
 
 Any decoder layer works: a module whose forward takes tensors and keyword arguments (ours, or
-transformers' Qwen3DecoderLayer with its attention_mask=..., position_embeddings=...). Tensor
+transformers' Qwen3DecoderLayer with its attention_mask=..., position_embeddings=...). Under grad
+a KV cache is not passed on (past_key_values=None, use_cache=False, as transformers' own
+gradient checkpointing does): the recompute would fill it twice. Tensor
 keyword arguments are handed to checkpoint positionally, since it saves only positional inputs
 through the hooks (a hidden state passed by keyword would otherwise stay on the device).
 Attention once needs the layer's attention to call model.attention.attention (ours does); other
@@ -180,7 +182,8 @@ class _OffloadedForward:
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
-            return self.body(*args, **kwargs)  # nothing is saved without grad
+            return self.body(*args, **kwargs)  # nothing is saved without grad, a cache works
+        kwargs = without_cache(kwargs)
         pool, body = self.pool, self.body
         if self.new_store is not None:
             store = self.new_store()
@@ -204,6 +207,23 @@ class _OffloadedForward:
                 f"({torch.__version__}) is not supported by model/checkpoint_offload.py"
             )
         return out
+
+
+# The names transformers' decoder layers take a KV cache by (its own gradient checkpointing
+# clears the same ones).
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def without_cache(kwargs: dict) -> dict:
+    """A layer's keyword arguments with no KV cache and use_cache=False. transformers creates a
+    DynamicCache in train mode when the config's use_cache is on (its default); handed to a
+    checkpointed layer, the recompute would append this layer's K/V to it a second time (eager
+    attention or a padding mask then fail in backward: 24 keys against 12), and the cache would
+    hold every layer's K/V on the device until backward. Training has no use for it."""
+    kwargs = {k: (None if k in CACHE_ARGUMENTS else v) for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return kwargs
 
 
 def _restore(module: nn.Module, own) -> None:

@@ -78,7 +78,7 @@ torch.set_num_threads(1)
 SNIPPET = {snippet!r}
 
 
-def tiny(arch="qwen3", heads=4, kv_heads=2, seed=0):
+def tiny(arch="qwen3", heads=4, kv_heads=2, seed=0, attn="sdpa"):
     import transformers
 
     config_type, model_type = {{
@@ -88,8 +88,8 @@ def tiny(arch="qwen3", heads=4, kv_heads=2, seed=0):
     config = config_type(
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
-        tie_word_embeddings=False, attn_implementation="sdpa",
-    )
+        tie_word_embeddings=False, attn_implementation=attn,
+    )  # use_cache stays at its default (on): train mode then builds a cache
     torch.manual_seed(seed)
     model = model_type(config).float()
     with torch.no_grad():
@@ -107,9 +107,9 @@ def grads(model):
     return {{n: p.grad.detach().clone() for n, p in model.named_parameters()}}
 
 
-def reference(model, input_ids, labels=None):
+def reference(model, input_ids, labels=None, attention_mask=None):
     labels = input_ids if labels is None else labels
-    loss = model(input_ids=input_ids, labels=labels).loss
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
     loss.backward()
     return {{"loss": loss.detach(), "grads": grads(model)}}
 
@@ -174,10 +174,32 @@ two = on_ranks(loss_case, 2, 2)  # first: no torch op here yet
 done({"one process": loss_case(0), "2 ranks": two})
 """,
     "offload": r"""
-def offload_case(arch):
-    model, input_ids = tiny(arch), ids(2, 12)
-    ref = reference(copy.deepcopy(model), input_ids)
-    ns = snippet(model=model, input_ids=input_ids)
+import gc
+import warnings
+
+
+def live_kv(shape):
+    # tensors shaped like one layer's K or V [B, kv heads, T, head_dim] alive right now
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance on torch's deprecated aliases warns
+        warnings.simplefilter("ignore")
+        return sum(isinstance(o, torch.Tensor) and o.shape == shape for o in gc.get_objects())
+
+
+def offload_case(arch, attn, padded):
+    model, input_ids = tiny(arch, attn=attn), ids(2, 12)
+    attention_mask, labels = None, input_ids
+    if padded:  # row 1 is 8 tokens and 4 of padding, not counted
+        attention_mask = torch.ones_like(input_ids)
+        attention_mask[1, 8:] = 0
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+    ref = reference(copy.deepcopy(model), input_ids, labels, attention_mask)
+    kv_shape = (2, model.config.num_key_value_heads, 12, model.config.head_dim)
+    kv_at_backward = []  # counted as backward starts: after every layer's forward
+    model.lm_head.register_full_backward_pre_hook(
+        lambda *_: kv_at_backward.append(live_kv(kv_shape))
+    )
+    ns = snippet(model=model, input_ids=input_ids, attention_mask=attention_mask, labels=labels)
     return {
         "ref": ref,
         "got": {"loss": ns["loss"].detach(), "grads": grads(model)},
@@ -185,10 +207,14 @@ def offload_case(arch):
         "in_flight": ns["pool"].copies_in_flight(),
         "layers": model.config.num_hidden_layers,
         "input_bytes": input_ids.numel() * model.config.hidden_size * 4,  # [B, T, hidden] fp32
+        "kv_at_backward": kv_at_backward,
     }
 
 
-done({arch: offload_case(arch) for arch in ("qwen3", "llama")})
+CASES = [("qwen3", "sdpa", False), ("llama", "sdpa", False), ("qwen3", "eager", True),
+         ("llama", "eager", True), ("qwen3", "sdpa", True)]
+done({f"{arch}, {attn}, {'padded' if padded else 'no mask'}": offload_case(arch, attn, padded)
+      for arch, attn, padded in CASES})
 """,
     "tiled_mlp": r"""
 def saved_shapes(fn):
@@ -319,10 +345,13 @@ def test_loss_copied_alone(server, tmp_path):
 
 @pytest.mark.slow
 def test_offload_copied_alone(server, tmp_path):
-    """transformers' Qwen3 and Llama decoder layers wrapped: their gradients, and every layer's
-    input went to the host and came back (the pool's public counters)."""
+    """transformers' Qwen3 and Llama decoder layers wrapped, with SDPA and eager attention, a
+    padding mask and the config's default use_cache (a cache built in train mode): their
+    gradients, every layer's input went to the host and came back (the pool's public counters),
+    and no layer's K/V is left alive once its forward is done."""
     for arch, r in run_piece(server, tmp_path, "offload").items():
         assert_same(arch, r["got"], r["ref"])
+        assert r["kv_at_backward"] == [0], (arch, r["kv_at_backward"])
         s, L, n = r["stats"], r["layers"], r["input_bytes"]
         assert (s["d2h_copies"], s["h2d_copies"]) == (L, L), (arch, s)
         assert (s["d2h_bytes"], s["h2d_bytes"]) == (L * n, L * n), (arch, s)
