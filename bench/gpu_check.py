@@ -49,12 +49,19 @@ from memory.model_size import param_shapes, shard_numel, step_flops
 from memory.plan import plan
 from memory.report import PUBLIC_RECIPE
 from memory.steptime import measured_parts
-from model.attention import attention, pick_backend, set_backend, torch_cudnn_gate
-from model.attention_probe import PROBE_TOKENS, check_attention, probe_kernel, training_layout
+from model.attention import attention, set_backend, torch_cudnn_gate
+from model.attention_probe import (
+    check_attention,
+    choose_kernel,
+    probe_kernel,
+    rank_attention_shape,
+    training_layout,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GB, GiB = 1e9, 2**30
-SHARES = {"loss": 0.13, "layers": 0.30, "attention": 0.18, "backends": 0.07, "optimizer": 0.07}
+# backends probes cuDNN and flash at the sp=8 rank's full 1M-token shape, as train.py does
+SHARES = {"loss": 0.13, "layers": 0.27, "attention": 0.15, "backends": 0.13, "optimizer": 0.07}
 SHARES.update(int32=0.10, cpu_offload=0.15)
 ATTN_TFLOPS = 300.0  # a floor for bf16 causal attention on H100/H200, for the int32 part's estimate
 STARTUP_S = {"cuda": 15.0, "cpu": 3.0}  # a fresh process's imports and CUDA start
@@ -208,22 +215,32 @@ def part_attention(g: Geometry, dev: torch.device, limit_s: float) -> dict:
 
 
 def part_backends(g: Geometry, dev: torch.device, limit_s: float) -> dict:
-    """On one sp rank's heads: train.py's probe of each kernel and its choice (torch's cuDNN gate
-    included), the fallback when cuDNN's probe fails (CPU: cpu_flash's, to math), then cuDNN
-    against flash (CPU: cpu_flash against math) at check_tokens."""
+    """train.py's rule (model/attention_probe.py's choose_kernel) on one sp rank: each kernel
+    probed once at that rank's training shape (CPU: at check_tokens, in seconds), the choice
+    (torch's cuDNN gate included), the fallback when the first kernel's probe fails (CPU:
+    cpu_flash's, to math), then cuDNN against flash (CPU: cpu_flash against math) at
+    check_tokens."""
     cfg, dtype = load_config(g.model), _dtype(dev)
-    heads = (cfg.num_attention_heads // g.sp, max(cfg.num_key_value_heads // g.sp, 1))
-    kw = dict(num_heads=heads[0], num_kv_heads=heads[1], head_dim=cfg.head_dim)
     first, second = ("cudnn", "flash") if dev.type == "cuda" else ("cpu_flash", "math")
-    tokens = PROBE_TOKENS if dev.type == "cuda" else g.check_tokens  # CPU: fewer, in seconds
-    probe = functools.partial(probe_kernel, tokens=tokens)
-    out = {"probe": {n: probe(n, dev, dtype, *kw.values()) or "ok" for n in (first, second)}}
-    chosen = pick_backend(dev, dtype, **kw, probe=probe)
+    seq_len = g.seq_len if dev.type == "cuda" else g.check_tokens
+    shape = rank_attention_shape(cfg, seq_len, g.sp)
+    heads = (shape["num_heads"], shape["num_kv_heads"])
+    answers = {}
 
-    def first_fails(name, *shape):
-        return "failure injected" if name == first else probe(name, *shape)
+    def probe(name, *shape, tokens=None):  # each kernel run once, its answer reused
+        if name not in answers:
+            answers[name] = probe_kernel(name, *shape, tokens=tokens)
+        return answers[name]
 
-    fallback = pick_backend(dev, dtype, **kw, probe=first_fails)
+    def first_fails(name, *shape, tokens=None):
+        return "failure injected" if name == first else probe(name, *shape, tokens=tokens)
+
+    chosen = choose_kernel(dev, dtype, cfg, seq_len, g.sp, probe=probe)
+    fallback = choose_kernel(dev, dtype, cfg, seq_len, g.sp, probe=first_fails)
+    for name in (first, second):
+        probe(name, dev, dtype, *heads, cfg.head_dim, tokens=shape["seq_len"])
+    out = {"probe": {n: answers[n] or "ok" for n in (first, second)}}
+    out.update(probe_tokens=shape["seq_len"], probe_heads=list(heads))
     out.update(chosen=chosen.name, chosen_why=chosen.why, fallback=fallback.name)
     out.update(fallback_why=fallback.why, cudnn_version=torch.backends.cudnn.version())
     out["cudnn_gate"] = torch_cudnn_gate("cudnn", dev) if dev.type == "cuda" else None

@@ -19,8 +19,8 @@ the pair that lets backward skip attention's forward. Each op takes fewer kv hea
 
 Choosing: torch's own checks on tiny tensors say which kernels accept these heads, dtype and
 head_dim; torch's preference rule (cudnn_gate) says whether cuDNN is first; a probe, where given
-(run/build.py passes model/attention_probe.py's probe_kernel on CUDA), runs each candidate once at
-the real layout and length and passes over one that fails, naming why.
+(model/attention_probe.py's choose_kernel passes probe_kernel on CUDA), runs each candidate once
+at the run's own per-rank layout and length and passes over one that fails, naming why.
 
 Attention once. Whole-layer checkpointing runs a layer's forward twice: in forward, and again in
 backward to rebuild what the layer saved. At a million tokens attention is ~96% of a layer's FLOPs,
@@ -139,7 +139,7 @@ def cudnn_gate(
     return None
 
 
-def torch_cudnn_gate(name: str, device: torch.device, *shape) -> str | None:
+def torch_cudnn_gate(name: str, device: torch.device, *shape, tokens=None) -> str | None:
     """A probe (see pick_backend) that runs nothing: cudnn_gate on `device` for "cudnn"."""
     if name != "cudnn":
         return None
@@ -178,8 +178,9 @@ def pick_backend(
     down silently. request: "auto" or a name in BACKENDS, which must then be able to run.
     can_use(name, device, dtype, num_heads, num_kv_heads, head_dim) -> bool replaces torch's checks
     (tests inject it to exercise the CUDA rules on CPU). probe(name, device, dtype, num_heads,
-    num_kv_heads, head_dim) -> None, or why `name` must not be used here: called for each
-    candidate torch's checks accept (None: no probe, no preference rule).
+    num_kv_heads, head_dim, tokens=seq_len) -> None, or why `name` must not be used here: called
+    for each candidate torch's checks accept, at the length attention runs (None: no probe, no
+    preference rule).
     """
     device = torch.device(device)
     can_use = can_use or _torch_can_use
@@ -209,7 +210,7 @@ def pick_backend(
             raise ValueError(
                 f"attention backend {request!r} cannot run {what}; use --attn-backend auto"
             )
-        reason = probe(request, *shape) if probe else None
+        reason = probe(request, *shape, tokens=seq_len) if probe else None
         if reason:
             raise ValueError(
                 f"attention backend {request!r} failed its probe on {what}: {reason}; "
@@ -219,7 +220,7 @@ def pick_backend(
     passed = []
     for name in ("cudnn", "flash") if device.type == "cuda" else ("cpu_flash",):
         reason = None if can_use(name, *shape) else "torch's checks refuse these shapes"
-        reason = reason or (probe(name, *shape) if probe else None)
+        reason = reason or (probe(name, *shape, tokens=seq_len) if probe else None)
         if reason is None:
             return BackendChoice(name, tuple(passed))
         passed.append(f"{name}: {reason}")

@@ -1,15 +1,24 @@
 """An attention kernel checked by running it: one forward and backward in the training layout,
 its last rows against an fp32 reference.
 
-    choice = pick_backend("cuda", torch.bfloat16, num_heads=4, num_kv_heads=1, head_dim=128,
-                          probe=probe_kernel)          # each candidate run once; choice.why: misses
-    reason = probe_kernel("cudnn", "cuda", torch.bfloat16, 4, 1, 128)   # None: it ran and agreed
+    choice = choose_kernel("cuda", torch.bfloat16, config, seq_len=1_048_576, sp=8)  # the rule
+    choice.name, choice.why                            # "cudnn", or "flash" and why cuDNN was not
+    reason = probe_kernel("cudnn", "cuda", torch.bfloat16, 4, 1, 128, tokens=1_048_576)  # None: ok
     q, k, v, dout = training_layout(532_480, 32, 8, 128, torch.bfloat16, "cuda")
     reason = check_attention(functools.partial(attention, backend="flash"), q, k, v, dout)
 
+choose_kernel is the one rule train.py (run/build.py) and bench/gpu_check.py choose by: the
+candidates pick_backend (model/attention.py) allows, each probed once at the shape this rank's
+attention runs in training: after Ulysses' exchange, heads/sp query heads and kv heads/sp (at
+least one: repeated) over every token of the row, padded to a multiple of sp. A kernel that runs
+at 4K tokens can still fail at 1M (an engine config, a workspace, 32-bit indexing), so the probe
+runs at the run's own length: one forward and backward per candidate (at the recipe's shape a few
+seconds each on an H100, its q and dout 1 GiB each).
+
 Why run it: torch's checks (can_use_cudnn_attention, ...) look at dtypes, head dims and layouts of
 tiny tensors, not at the length or at the strides training hands the kernel. probe_kernel runs
-PROBE_TOKENS tokens with the per-rank head counts in the layout Ulysses' exchange leaves q, k, v
+`tokens` tokens (PROBE_TOKENS unless given) with the per-rank head counts in the layout Ulysses'
+exchange leaves q, k, v
 and the output gradient in: [1, T, heads, hd] contiguous, which attention() hands the kernel as
 [1, heads, T, hd] views with strides (T*heads*hd, hd, heads*hd, 1). For cuDNN it first applies
 torch's own preference rule (model/attention.py's cudnn_gate).
@@ -24,18 +33,21 @@ whose q holds more than 2^31 elements.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
-from model.attention import attention, torch_cudnn_gate
+from model.attention import BackendChoice, attention, pick_backend, torch_cudnn_gate
 
 __all__ = [
     "PROBE_ROWS",
     "PROBE_TOKENS",
     "PROBE_TOLERANCE",
     "check_attention",
+    "choose_kernel",
     "last_rows_reference",
     "probe_kernel",
+    "rank_attention_shape",
     "training_layout",
 ]
 
@@ -121,7 +133,7 @@ def probe_kernel(
     num_kv_heads: int,
     head_dim: int,
     *,
-    tokens: int = PROBE_TOKENS,
+    tokens: int | None = None,
     attend=attention,
 ) -> str | None:
     """pick_backend's probe: None if backend `name` runs this rank's heads at `tokens` tokens in
@@ -131,5 +143,33 @@ def probe_kernel(
     gate = torch_cudnn_gate(name, device) if device.type == "cuda" else None
     if gate:
         return gate
+    tokens = PROBE_TOKENS if tokens is None else tokens
     q, k, v, dout = training_layout(tokens, num_heads, num_kv_heads, head_dim, dtype, device)
     return check_attention(functools.partial(attend, backend=name), q, k, v, dout)
+
+
+def rank_attention_shape(config, seq_len: int, sp: int) -> dict:
+    """What one rank's attention runs on in training, as pick_backend's keywords: heads/sp query
+    heads, kv heads/sp (at least one: Ulysses repeats them), head_dim, and every token of the row
+    padded to a multiple of sp (the exchange hands each rank all of them). config: a Qwen3Config
+    or anything with num_attention_heads, num_key_value_heads and head_dim."""
+    return dict(
+        num_heads=config.num_attention_heads // sp,
+        num_kv_heads=max(config.num_key_value_heads // sp, 1),
+        head_dim=config.head_dim,
+        seq_len=math.ceil(seq_len / sp) * sp,
+    )
+
+
+def choose_kernel(
+    device, dtype, config, seq_len: int, sp: int, *, request: str = "auto", probe=None, **pick
+) -> BackendChoice:
+    """The attention kernel for a run of seq_len-token rows at sp, each candidate probed once at
+    this rank's training shape (rank_attention_shape). probe: pick_backend's probe (default:
+    probe_kernel on CUDA, none on CPU, whose kernels are torch's reference); pick: other
+    pick_backend keywords. Raises ValueError (one line) when nothing can run."""
+    device = torch.device(device)
+    if probe is None and device.type == "cuda":
+        probe = probe_kernel
+    shape = rank_attention_shape(config, seq_len, sp)
+    return pick_backend(device, dtype, **shape, request=request, probe=probe, **pick)

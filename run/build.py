@@ -11,9 +11,10 @@ build_model does four things, each where it is for a reason:
    from model_dir, or the seeded init when there is none. First, because every later step hooks
    into its modules.
 2. Ulysses attention over the mesh's sp ranks, and its kernel: picked at this rank's heads and
-   length (on CUDA by running each candidate once). After the shards, because the probe runs in
-   the training layout; before the plan, because the plan counts what the kernel keeps (flash's
-   backward expands dk, dv; sdpa keeps no lse, so no attention once).
+   the run's length (on CUDA by running each candidate once, every rank agreeing). After the
+   shards, because the probe runs in the training layout; before the plan, because the plan
+   counts what the kernel keeps (flash's backward expands dk, dv; sdpa keeps no lse, so no
+   attention once).
 3. The memory plan, and attention once: --save-attention, or (unset) on when the planner finds
    host memory for it. Before the offload pool, because the pool offloads what the plan decided.
 4. The offload pool (checkpoint-with-offload per layer, tiled MLP) and its host blocks: every
@@ -40,17 +41,11 @@ import torch.distributed as dist
 
 from memory.choices import plan_for_run
 from memory.report import plan_warnings
-from model.attention import (
-    BACKENDS,
-    BackendChoice,
-    pick_backend,
-    saved_attention_bytes,
-    set_backend,
-)
-from model.attention_probe import probe_kernel
+from model.attention import BACKENDS, BackendChoice, saved_attention_bytes, set_backend
+from model.attention_probe import choose_kernel, probe_kernel
 from model.checkpoint_offload import apply_offload, offloaded_tensors
 from model.config import ConfigError
-from model.parallel import build_sharded_model, ulysses_group
+from model.parallel import GROUP_TIMEOUT, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention
 
 
@@ -116,27 +111,87 @@ def sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode=None):
 
 
 def choose_attention(cfg, mc, sp, device, dtype) -> tuple[object, BackendChoice]:
-    """(cfg, choice): pick the attention kernel for this layout, on CUDA by running each
-    candidate once at this rank's heads (model/attention_probe.py); cfg then names it, for the
-    plan (flash's backward expands dk, dv). sdpa keeps no lse, so no attention once."""
+    """(cfg, choice): pick the attention kernel for this layout by model/attention_probe.py's
+    rule, each candidate run once at this rank's heads and the run's length (CUDA), every rank
+    taking the same answer; cfg then names it, for the plan (flash's backward expands dk, dv).
+    sdpa keeps no lse, so no attention once. Collective."""
+    probe = kernel_probe(device)
+    if probe is not None and dist.is_initialized():
+        probe = ProbeOnEveryRank(probe, device)
     try:
-        choice = pick_backend(
-            device,
-            dtype,
-            num_heads=mc.num_attention_heads // sp,
-            num_kv_heads=max(mc.num_key_value_heads // sp, 1),
-            head_dim=mc.head_dim,
-            seq_len=cfg.seq_len,
-            request=cfg.attn_backend,
-            probe=probe_kernel if device.type == "cuda" else None,
+        choice = choose_kernel(
+            device, dtype, mc, cfg.seq_len, sp, request=cfg.attn_backend, probe=probe
         )
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's ~8 GB of q, k, v and gradients, before the pool
     set_backend(choice.name)
     cfg = dataclasses.replace(cfg, attn_backend=choice.name)
     if choice.name == "sdpa":
         cfg = dataclasses.replace(cfg, save_attention=False)
     return cfg, choice
+
+
+def kernel_probe(device: torch.device):
+    """The probe each candidate kernel is run through: probe_kernel on CUDA; none on CPU, whose
+    kernels are torch's reference (a CPU run's shapes are tests' and smoke runs')."""
+    return probe_kernel if device.type == "cuda" else None
+
+
+class ProbeOnEveryRank:
+    """A probe every rank runs, whose answer is the same on every rank: a kernel that fails on one
+    rank is passed over on all (else one rank would pick flash while the others wait in cuDNN's
+    collectives). The answers meet over a gloo group of their own, on the CPU, so that a rank
+    whose CUDA context the kernel broke (an illegal address is sticky: every later CUDA call
+    fails, NCCL's too) can still say so; then every rank stops at once with one line naming the
+    kernel. Collective: every rank calls it with the same candidates, in the same order."""
+
+    def __init__(self, probe, device: torch.device):
+        self.probe, self.device = probe, device
+        self.group = dist.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
+
+    def __call__(self, name, *shape, **kw) -> str | None:
+        try:
+            reason = self.probe(name, *shape, **kw)
+        except Exception as e:  # a probe's own failure is its answer too
+            reason = f"{type(e).__name__}: {str(e).strip()[:200]}"
+        broken = reason is not None and not device_usable(self.device)
+        answers = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(answers, (reason, broken), group=self.group)
+        for rank, (why, broke) in enumerate(answers):
+            if broke:
+                stop_every_rank(
+                    f"attention: probing the {name} kernel left CUDA unusable on rank {rank} "
+                    f"({why}); rerun with --attn-backend naming another kernel "
+                    f"({', '.join(b for b in BACKENDS if b != name)})"
+                )
+        failed = [(rank, why) for rank, (why, _) in enumerate(answers) if why]
+        if not failed:
+            return None
+        rank, why = failed[0]
+        return why if len(failed) == len(answers) else f"{why} (on rank {rank})"
+
+
+def device_usable(device: torch.device) -> bool:
+    """Whether `device` still runs work: after a sticky CUDA error (an illegal address) every
+    call fails, this one included."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        return (torch.ones(1, device=device) + 1).item() == 2
+    except Exception:
+        return False
+
+
+def stop_every_rank(message: str) -> None:
+    """Print `message` as this rank's one line and exit with train.py's refusal code (2) at once:
+    with a broken CUDA context neither the process group's teardown nor a barrier can run."""
+    rank = dist.get_rank()
+    who = f" (rank {rank})" if rank else ""
+    print(f"error{who}: {message}", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:

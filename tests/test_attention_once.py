@@ -28,6 +28,7 @@ from model.attention import (
 )
 from model.attention_probe import (
     PROBE_TOKENS,
+    choose_kernel,
     last_rows_reference,
     probe_kernel,
     training_layout,
@@ -227,7 +228,7 @@ def test_pick_backend():
 def _failing(broken: dict, calls=None):
     """A probe runner: the reason for each backend in `broken`, None (it ran) for the others."""
 
-    def probe(name, device, dtype, nh, nkv, hd):
+    def probe(name, device, dtype, nh, nkv, hd, tokens=None):
         if calls is not None:
             calls.append((name, device.type, nh, nkv, hd))
         return broken.get(name)
@@ -584,3 +585,73 @@ def test_cuda_attention_once_with_offload():
         torch.testing.assert_close(
             res[True][1][n].float(), g.float(), rtol=0.02, atol=0.02 * g.abs().max().item()
         )
+
+
+def _fails_long(broken_on_rank=None, rank=None):
+    """A kernel that runs at the probe's old 4,104 tokens and fails above them (an engine config
+    or a workspace cuDNN finds only at the training length), on every rank or on one."""
+    calls = []
+
+    def probe(name, device, dtype, nh, nkv, hd, tokens=None):
+        calls.append((name, nh, nkv, hd, tokens))
+        too_long = tokens is not None and tokens > PROBE_TOKENS
+        if name in ("cudnn", "cpu_flash") and too_long and broken_on_rank in (None, rank):
+            return "RuntimeError: cuDNN Frontend error: No valid execution plans built."
+        return None
+
+    probe.calls = calls
+    return probe
+
+
+def test_the_kernel_is_probed_at_the_runs_own_per_rank_shape():
+    """The recipe's rank at sp 8: 32/8 query heads, 8/8 kv heads, every token of the row (padded
+    to a multiple of 8); a kernel failing only above the old probe length is passed over."""
+    config = Qwen3Config.preset("qwen3-8b")
+    probe = _fails_long()
+    can_use = _probe({"cudnn", "flash"})
+    c = choose_kernel("cuda", torch.bfloat16, config, 1_048_573, 8, probe=probe, can_use=can_use)
+    assert probe.calls[0] == ("cudnn", 4, 1, 128, 1_048_576)
+    assert c.name == "flash" and c.why.startswith("cudnn: RuntimeError: cuDNN Frontend error")
+    short = choose_kernel(
+        "cuda", torch.bfloat16, config, 4096, 8, probe=_fails_long(), can_use=can_use
+    )
+    assert short.name == "cudnn"  # what the old fixed-length probe would have said at 1M too
+
+
+def _choose_with_a_planted_kernel(rank, world, broken_on_rank, sticky):
+    """run/build.py's choose_attention on CPU with a planted probe (the CUDA path's, on CPU):
+    cpu_flash fails above 4,104 tokens on one rank; sticky: that failure breaks the device."""
+    import run.build as build
+    import train
+
+    planted = _fails_long(broken_on_rank, rank)
+    build.kernel_probe = lambda device: planted
+    if sticky:
+        build.device_usable = lambda device: rank != broken_on_rank
+
+        def stop_every_rank(message):  # the real one exits the process at once
+            raise SystemExit(message)
+
+        build.stop_every_rank = stop_every_rank
+    cfg = train.TrainConfig(seq_len=8192)
+    try:
+        _, choice = build.choose_attention(cfg, CFG, 2, torch.device("cpu"), torch.float32)
+    except SystemExit as e:
+        return {"stopped": str(e)}
+    return {"name": choice.name, "why": choice.why, "tokens": planted.calls[0][-1]}
+
+
+@pytest.mark.slow
+def test_every_rank_takes_the_same_kernel_when_one_ranks_probe_fails():
+    """Rank 1's kernel fails at the run's length, rank 0's does not: both fall back alike, the
+    reason naming rank 1. A failure that leaves the device unusable stops every rank with one
+    line naming the kernel."""
+    got = run_distributed(_choose_with_a_planted_kernel, 2, 1, False)
+    assert got[0] == got[1], got
+    assert got[0]["name"] == "math" and got[0]["tokens"] == 8192
+    assert got[0]["why"].endswith("No valid execution plans built. (on rank 1)"), got[0]
+    stopped = run_distributed(_choose_with_a_planted_kernel, 2, 1, True)
+    assert stopped[0] == stopped[1], stopped
+    line = stopped[0]["stopped"]
+    assert "\n" not in line
+    assert line.startswith("attention: probing the cpu_flash kernel left CUDA unusable on rank 1")
