@@ -26,7 +26,16 @@ args=("${preset[@]}" "$@")
 RANK=$(( ${NODE_RANK:-0} * nproc )) WORLD_SIZE=$(( nproc * ${NNODES:-1} )) LOCAL_WORLD_SIZE=$nproc \
   python3 train.py --check-only "${args[@]}" || exit $?
 
-python3 -m torch.distributed.run \
+# Several NUMA nodes (two-socket GPU servers): each process runs on the CPUs of its GPU's node,
+# so the ~72 GiB of host blocks it pins land in that node's memory (Linux places a page where it
+# is first touched), next to the PCIe link its copies take. torchrun's own --numa-binding.
+numa=()
+nodes=$(ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l)
+if [ "$gpus" -gt 0 ] && [ "$nodes" -gt 1 ]; then
+  numa=(--numa-binding node)
+fi
+
+python3 -m torch.distributed.run "${numa[@]}" \
   --nnodes "${NNODES:-1}" --node-rank "${NODE_RANK:-0}" --nproc-per-node "$nproc" \
   --master-addr "${MASTER_ADDR:-127.0.0.1}" --master-port "${MASTER_PORT:-29500}" \
   train.py "${args[@]}" &

@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from run.allocator import set_allocator_settings
 from run.signals import StopSignals
 
 # Stop signals are only noted; the loop finishes the step, saves and leaves. Installed before
@@ -34,11 +35,9 @@ from run.signals import StopSignals
 STOP = StopSignals()
 if __name__ == "__main__":
     STOP.install()
-    # The recipe's 1 GiB+ activations come and go in many sizes; expandable segments grow one
-    # mapping instead of leaving fixed-size segments half used. The allocator reads this once,
-    # when CUDA initialises, so it is set before torch is imported; a user's own setting wins.
-    if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-        os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+    # Expandable segments, and host blocks pinned by 8 register threads (run/allocator.py says
+    # why): read once, when CUDA initialises, so set before torch is imported; yours wins.
+    set_allocator_settings()
 
 import torch  # after the signal handlers, on purpose
 import torch.distributed as dist

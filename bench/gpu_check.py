@@ -34,8 +34,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repo root
 
-# Large contiguous tensors (1 GiB layer inputs, the 1M-token attention) need it; workers inherit it.
-os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+# train.py's allocator settings (expandable segments, threaded pinning); workers inherit them.
+from run.allocator import set_allocator_settings  # imports no torch
+
+set_allocator_settings()
 
 import torch
 
@@ -43,12 +45,12 @@ from bench import bench_attention, bench_loss, bench_offload
 from bench.fresh_process import in_fresh_process
 from bench.table import figures, table
 from bench.timer import measure
-from memory.buffers import Buffer
+from memory.buffers import Buffer, attention_workspace
 from memory.choices import load_config
 from memory.model_size import param_shapes, shard_numel, step_flops
 from memory.plan import plan
 from memory.report import PUBLIC_RECIPE
-from memory.steptime import measured_parts
+from memory.steptime import measured_parts, pinned_gbps
 from model.attention import attention, set_backend, torch_cudnn_gate
 from model.attention_probe import (
     check_attention,
@@ -165,11 +167,13 @@ def part_layers(g: Geometry, dev: torch.device, limit_s: float) -> dict:
         per_layer = (runs[hi]["step_s"] - runs[lo]["step_s"]) / (hi - lo)
     else:
         per_layer = runs[hi]["step_s"] / hi
+    by_layers = {str(L): r for L, r in runs.items()}
     return {
         "tokens": T,
         "mlp_tile": g.mlp_tile,
         "backend": la["backend"],
-        "runs": {str(L): r for L, r in runs.items()},
+        "runs": by_layers,
+        "pin_gbps": pinned_gbps({"runs": by_layers}),  # the dry run's --calibration takes it
         "skipped": skipped,
         "per_layer_s": per_layer,
         "local_attention": la,
@@ -194,6 +198,14 @@ def _working_set(cfg, tokens: int, tile: int, runs: dict, esize: int, backend: s
     layer0 = [s for k, s in param_shapes(cfg).items() if k.startswith("model.layers.0.")]
     grads = esize * sum(math.prod(s) for s in layer0)
     out = {"planned_gb": planned / GB, "layer_grads_gb": grads / GB, "measured_gb": None}
+    # The attention kernel's own workspace, by name, and the moment the plan puts the layer's
+    # peak at: cuDNN's workspace is projected at flash's size; a measured working set above the
+    # plan while the plan's peak is the MLP's says attention's backward (and cuDNN's workspace)
+    # is the real peak.
+    term = attention_workspace(backend)
+    workspace = max(m.working.get(term, 0) for m in p.moments)
+    out["attention_workspace"] = {"term": term.value, "planned_gb": workspace / GB}
+    out["planned_peak_moment"] = p.layer.name
     L, lo = max(runs), min(runs)
     act = runs[L]["act_gib"]
     if act is None:

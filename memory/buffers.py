@@ -52,6 +52,7 @@ class Buffer(str, Enum):
     ATTN_OUT_GRAD = "gradient of attention out [T, heads/sp, hd]"
     QKV_GRAD_AT_SDPA = "dq, dk, dv [T, heads/sp, hd]"
     FLASH_WORKSPACE = "FlashAttention fp32 dq accumulator and delta"
+    CUDNN_WORKSPACE = "cuDNN attention backward workspace (projected as flash's)"
     FLASH_GQA_GRADS = "FlashAttention dk, dv expanded to the query heads [T, heads/sp, hd]"
     QKV_GRAD = "dq, dk, dv [t, heads, hd]"
     LAYER_GRADS = "this layer's unsharded gradients so far"
@@ -85,6 +86,13 @@ class Buffer(str, Enum):
     MLP_FORWARD = "MLP act, up, product (one tile of them when tiled)"
     MLP_OUTPUT = "tiled MLP output and a tile's down projection"
     EVAL_LOSSES = "per-token losses and the counted rows' indices"
+
+
+def attention_workspace(attn_backend: str) -> Buffer:
+    """The buffer that names the attention backward's own workspace for this kernel: cuDNN's is
+    its own term (its size projected as FlashAttention-2's until a GPU measures it), so the first
+    GPU run shows which one the peak holds."""
+    return Buffer.CUDNN_WORKSPACE if attn_backend == "cudnn" else Buffer.FLASH_WORKSPACE
 
 
 def _norm_saved(rows: int, dim: int, b: int, fused: bool, input_elsewhere: bool) -> int:
@@ -167,8 +175,10 @@ def layer_backward_moments(
         act and up: 6 x [t, intermediate]; tiled, 7 x [tile, intermediate] (the tile's product
         stays referenced), fp32 weight-gradient accumulators and a full input-gradient buffer;
       "post-attention norm backward": its input gradients and one row chunk of fp32 temporaries;
-      "attention backward": SDPA's backward writes dq, dk, dv, with FlashAttention's fp32 dq
-        accumulator (a CUDA kernel's own workspace, invisible to a CPU meter); attn_backend
+      "attention backward": SDPA's backward writes dq, dk, dv, with the kernel's own workspace
+        (invisible to a CPU meter): FlashAttention's fp32 dq accumulator and delta; cuDNN's,
+        under its own name, projected at the same size until bench/gpu_check.py's
+        layers.working_set measures it; attn_backend
         "flash" with fewer kv heads than query heads at the kernel also expands dk and dv to the
         query heads (two q-sized buffers in the compute dtype, summed into dk, dv at the end);
       "q/k norm backward": after SDPA and the exchanges, the q norm's fp32 temporaries for one row
@@ -209,7 +219,7 @@ def layer_backward_moments(
         Buffer.RESIDUAL_GRAD: X,
         Buffer.ATTN_OUT_GRAD: Q,
         Buffer.QKV_GRAD_AT_SDPA: Q + 2 * K,
-        Buffer.FLASH_WORKSPACE: backward_workspace_bytes(t, nh, hd) if cuda else 0,
+        attention_workspace(attn_backend): backward_workspace_bytes(t, nh, hd) if cuda else 0,
         Buffer.FLASH_GQA_GRADS: 2 * Q if expands else 0,
     }
     qk = {

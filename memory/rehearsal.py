@@ -217,13 +217,21 @@ def gpu_only_terms(cuda_plan) -> list[tuple[str, int, str]]:
     def largest(buffer) -> int:  # over the step's moments: each buffer is live in one of them
         return max(m.working.get(buffer, 0) for m in cuda_plan.moments)
 
-    terms = [
-        (
+    if largest(Buffer.CUDNN_WORKSPACE):
+        workspace = (
+            "cuDNN attention backward workspace",
+            largest(Buffer.CUDNN_WORKSPACE),
+            "projected as FlashAttention-2's fp32 dq accumulator and delta until "
+            "bench/gpu_check.py's layers.working_set measures it",
+        )
+    else:
+        workspace = (
             "attention backward workspace (fp32 dq accumulator and softmax delta)",
             largest(Buffer.FLASH_WORKSPACE),
-            "FlashAttention-2's backward allocates dq as fp32 [B, T, heads, head_dim]; cuDNN's "
-            "is taken as the same",
-        ),
+            "FlashAttention-2's backward allocates dq as fp32 [B, T, heads, head_dim]",
+        )
+    terms = [
+        workspace,
         (
             "cuBLAS workspace (one compute stream)",
             CUBLAS_WORKSPACE_BYTES,

@@ -232,6 +232,17 @@ def measured_parts(d: dict) -> MeasuredParts:
     )
 
 
+def pinned_gbps(layers: dict) -> float | None:
+    """GB of host blocks pinned per second before step 1, from gpu_check's layers part (its
+    largest stack's pool reserve, through train.py's allocator settings); None if none ran."""
+    stacks = (layers.get("runs") or {}).values()
+    pins = [r for r in stacks if (r.get("reserve_s") or 0) > 0 and (r.get("pinned_mib") or 0) > 0]
+    if not pins:
+        return None
+    r = max(pins, key=lambda r: r["pinned_mib"])
+    return r["pinned_mib"] * 2**20 / r["reserve_s"] / GB
+
+
 def read_calibration(path: str, base: Rates | None = None) -> Rates:
     """Rates measured by bench/gpu_check.py on one GPU, read from the JSON it writes; what it did
     not measure (a part that did not run, the links, the disk, the start) stays as `base` has it.
@@ -271,11 +282,9 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
     take("adamw_params_per_s", params_per_gpu(config, sp), s.optimizer_s)
     if "adamw_params_per_s" in rates:
         rates["adamw_s_per_param"] = 1 / rates.pop("adamw_params_per_s")
-    stacks = (part["layers"].get("runs") or {}).values() if "layers" not in s.missing else ()
-    pins = [r for r in stacks if (r.get("reserve_s") or 0) > 0 and (r.get("pinned_mib") or 0) > 0]
-    if pins:
-        r = max(pins, key=lambda r: r["pinned_mib"])
-        rates["pin_gbps"] = r["pinned_mib"] * 2**20 / r["reserve_s"] / GB
+    pin_gbps = pinned_gbps(part["layers"]) if "layers" not in s.missing else None
+    if pin_gbps:
+        rates["pin_gbps"] = pin_gbps
     device = d.get("device") or next((v["device"] for v in part.values() if "device" in v), "?")
     return replace(
         base,

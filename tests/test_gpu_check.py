@@ -83,6 +83,14 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
         assert run["d2h_mib"] * 2**20 == (int(L) - 1) * per_layer, (L, run)
         assert run["host_allocs_after_reserve"] == 0
     assert r["layers"]["backend"] == "cpu_flash"
+    # the pinning rate, which the dry run's --calibration reads for the time to the first step
+    from memory.steptime import read_calibration
+
+    biggest = max(r["layers"]["runs"].values(), key=lambda run: run["pinned_mib"])
+    pin_gbps = biggest["pinned_mib"] * 2**20 / biggest["reserve_s"] / 1e9
+    assert r["layers"]["pin_gbps"] == pytest.approx(pin_gbps, rel=1e-12)
+    assert read_calibration(str(out)).pin_gbps == pytest.approx(pin_gbps, rel=1e-12)
+    assert r["layers"]["working_set"]["attention_workspace"]["planned_gb"] > 0
     _finite(r["attention"], ["fwd_s", "bwd_s", "fwd_tflops", "bwd_tflops"], "attention")
     assert r["attention"]["backend"] == r["attention"]["backend_pinned"] == "cpu_flash", r[
         "attention"
@@ -94,6 +102,7 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
         assert b["diffs"][t]["rel"] < 1e-5  # fp32: rounding only
     # train.py's probe and its fallback: on CPU cpu_flash probed, then math when it is made to fail
     assert b["probe"] == {"cpu_flash": "ok", "math": "ok"} and b["chosen"] == "cpu_flash"
+    assert (b["probe_tokens"], b["probe_heads"]) == (512, [2, 1])  # the rank's shape, as train.py
     assert (b["fallback"], b["fallback_why"]) == ("math", "cpu_flash: failure injected")
     # the loss at three chunk sizes, each timed with its memory
     assert [run["chunk_rows"] for run in r["loss"]["runs"]] == [32, 128, 256]

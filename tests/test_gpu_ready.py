@@ -50,8 +50,11 @@ def torch_import_setting(env: dict) -> str:
     return p.stdout.strip().splitlines()[-1]
 
 
-def test_expandable_segments_are_set_before_torch_is_imported_unless_the_user_chose():
-    assert torch_import_setting({}) == "at torch import: expandable_segments:True"
+def test_allocator_settings_are_set_before_torch_is_imported_unless_the_user_chose():
+    """Expandable segments, and the host blocks pinned through cudaHostRegister in 8 threads."""
+    want = "expandable_segments:True,"
+    want += "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+    assert torch_import_setting({}) == f"at torch import: {want}"
     mine = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:512"}
     assert torch_import_setting(mine) == "at torch import: max_split_size_mb:512"
     legacy = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}  # the older name counts too
