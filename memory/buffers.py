@@ -60,6 +60,7 @@ class Buffer(str, Enum):
     GATHERED_LAYER = "gathered layer (bf16)"
     NEXT_UNIT = "next unit, prefetched"
     TIED_EMBEDDING = "tied embedding (root unit)"
+    TIED_EMBEDDING_GRAD = "tied embedding's gradient from the loss, until the root's reduce-scatter"
     GATHERED_HEAD = "embedding or [norm + lm_head] unit, gathered (bf16)"
     GATHERED_LAST_LAYER = "last layer, gathered since its forward (bf16)"
     REDUCE_SCATTER_INPUT = "fp32 reduce-scatter input of the unit before"

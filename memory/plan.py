@@ -447,8 +447,11 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[di
     the fp32 reduce-scatter input of the unit reduced just before (kept until the next
     reduce-scatter: layer i+1's, or the untied [norm + lm_head]'s at i = L-1), and the gradient
     shards reduced so far. A tied embedding lives in the root unit, gathered for the whole step
-    and reduced last. With CPU offload on CUDA, the next unit's fp32 shards copied in for its
-    all-gather and the unit before's reduce-scatter output on its way out (CPU: both no-ops).
+    and reduced last: the gradient the loss's backward gives it (V x H, unpadded, in the compute
+    dtype) stays on the unsharded parameter through every layer's backward, because the
+    embedding's backward adds to it and the root reduce-scatters only after that. With CPU
+    offload on CUDA, the next unit's fp32 shards copied in for its all-gather and the unit
+    before's reduce-scatter output on its way out (CPU: both no-ops).
     """
     L, tied, b = c.num_hidden_layers, c.tie_word_embeddings, o.compute_bytes
     head_shards = 0 if tied else u.emb_shard + u.norm_shard
@@ -462,6 +465,7 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[di
     working = {
         Buffer.REDUCE_SCATTER_INPUT: before * o.master_bytes,
         Buffer.GRAD_SHARDS: 0 if o.cpu_offload else (L - 1 - i) * u.layer_shard + head_shards,
+        Buffer.TIED_EMBEDDING_GRAD: c.vocab_size * c.hidden_size * b if tied else 0,
         Buffer.STAGED_SHARDS: staged,
         Buffer.STAGED_GRADS: staged,
     }

@@ -1,6 +1,6 @@
 """The memory planner against the rehearsal of the real step, at real Qwen3 shapes.
 
-    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: about 75 s on 2 cores
+    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: about 85 s on 2 cores
     pytest tests/test_rehearsal_shapes.py -s --full-depth -k "full and recipe"  # 36 layers
 
 `train.py --rehearse` (memory/rehearsal.py) runs two real steps of a run on fake tensors with a
@@ -41,13 +41,17 @@ SHAPES = {
     "8b sp4": ("qwen3-8b", 4, []),
     "8b dp2 x sp4": ("qwen3-8b", 8, ["--sp", "4"]),
     "8b cpu offload": ("qwen3-8b", 8, ["--cpu-offload"]),
+    # tied: the root unit holds the gathered embedding and the loss's gradient of it (V x H each,
+    # 0.31 GB in bf16) through every layer's backward
+    "0.6b tied": ("qwen3-0.6b", 8, []),
 }
 # depth: (decoder layers, None: the preset's own; flags on top of the shape's). A rehearsal's time
 # is mostly the loss's per-chunk ops (the recipe's 256-row chunks: 512 of them per step at 131,072
 # tokens per rank). The few-layer versions take chunks of 2,048 rows: measured, every shape's two
-# peaks are the same to 6 digits as with 256 (the loss is not the peak), and the six together
-# take 80 s instead of 154 s (2 cores, load 2; 4 layers add ~5 s a shape). Full depth runs the
-# recipe as it is: 117 s for 8B, 332 s for 32B (2 cores, load 3 to 5).
+# peaks are the same to 6 digits as with 256 (the loss is not the peak), and the six 8B and 32B
+# shapes take 80 s instead of 154 s (2 cores, load 2; 4 layers add ~5 s a shape), 0.6B 8 s more.
+# Full depth runs the recipe as it is: 117 s for 8B, 332 s for 32B (2 cores, load 3 to 5), 65 s
+# for 0.6B (28 layers).
 DEPTHS = {
     "few layers": (2, ["--loss-chunk", "2048"]),
     "full depth": (None, []),
