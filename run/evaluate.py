@@ -43,7 +43,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -132,7 +132,7 @@ def held_out(cfg, dp: int) -> HeldOut:
     return HeldOut(src, cfg.seed, train_rows(cfg, dp), given=False)
 
 
-def _too_few_rows(h: HeldOut, cfg) -> str | None:
+def too_few_rows(h: HeldOut, cfg) -> str | None:
     """Why a default held-out token file has no rows to spare (then evaluation is off)."""
     if h.given or not h.source.startswith("tokens:"):
         return None
@@ -143,26 +143,6 @@ def _too_few_rows(h: HeldOut, cfg) -> str | None:
         f"{h.source} holds {have} rows of {cfg.seq_len + 1} tokens and the run trains on "
         f"{h.first_row}; pass --eval-data for held-out rows"
     )
-
-
-def check_eval(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, dp: int) -> None:
-    """run/checks.py's checks of the evaluation's rows, before the process group: the source
-    resolves, does not overlap the training rows, and holds what --eval-rows asks for."""
-    from run.checks import check_data
-
-    if not evaluating(cfg):
-        return
-    h = held_out(cfg, dp)
-    if _too_few_rows(h, cfg):
-        return  # evaluation off, said at the start of the run
-    as_data = replace(cfg, data=h.source, seed=h.seed, loss_on="all")
-    try:
-        check_data(as_data, mc, model_dir, random_init, h.first_row + cfg.eval_rows)
-    except ConfigError as e:
-        msg = str(e)
-        if msg.startswith("--data"):
-            msg = "--eval-data" + msg[len("--data") :]
-        raise ConfigError(msg) from None
 
 
 def load_held_out(h: HeldOut, cfg, mc: Qwen3Config, model_dir: str | None) -> list:
@@ -466,7 +446,7 @@ def start_evaluation(
     rows, why_not = None, None
     if evaluating(cfg):
         h = held_out(cfg, mesh["dp"].size())
-        why_not = _too_few_rows(h, cfg)
+        why_not = too_few_rows(h, cfg)
         rows = None if why_not else load_held_out(h, cfg, mc, model_dir)
     evaluation = Evaluation(
         cfg, mc, rows, mesh, log, plan, measure=measure, optimizer=optimizer, pool=pool
