@@ -8,11 +8,11 @@
 
 Reading order: the config and its presets; the process group; the optimizer and its schedule;
 train_step (forward, chunked loss, backward, grad norm, step or skip), the one function that
-trains; then main() and train(), which build the run (data, the model and its offload pool from
-run/build.py, resume) and loop over steps; the loop's bookkeeping (records, console lines,
-signals, the non-finite guard, checkpoints) is in run/. Every check runs before the process
-group and any weight is read (run/checks.py). Each sp group shares one row (Ulysses: T/sp tokens
-per GPU); dp groups take different rows.
+trains; main(), which checks everything before the process group and any weight (run/checks.py);
+train(), which builds the run (data, the model and its offload pool from run/build.py, resume)
+and loops over steps, its bookkeeping (records, console lines, signals, NaN guard, checkpoints)
+in run/. --dry-run, --rehearse (this train_step on fake tensors): run/offline.py; --eval-only:
+run/evaluate.py. Each sp group shares one row (T/sp tokens per GPU); dp groups take other rows.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -46,33 +45,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from data import RowLoader, build_rows
 from data.cache import token_cache_dir
 from loss.chunked_ce import chunked_cross_entropy
-from memory.choices import plan_for_run
 from memory.meter import StepMeter
 from memory.model_size import step_flops
-from memory.report import format_plan
 from memory.snapshot import cuda_memory_history
-from memory.steptime import read_calibration
-from memory.sweep import format_sweep, sweep
 from model.attention import BACKENDS
-from model.checkpoint_offload import apply_offload
-from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
 from model.parallel import GROUP_TIMEOUT, build_mesh
-from run.build import build_model, compute_dtype, log0, sharded_model
-from run.checkpoint import (
-    DiskSpaceError,
-    checkpoints,
-    error_line,
-    resume,
-    rows_to_read,
-    save_checkpoint,
-)
-from run.checks import CHOICES, check_flags, check_layout, check_run, open_run_dir, resolve_model
-from run.evaluate import start_evaluation
+from run.build import build_model, compute_dtype, log0
+from run.checkpoint import DiskSpaceError, resume_from, rows_to_read, save_checkpoint
+from run.checks import CHOICES, check_run, open_run_dir
+from run.console import describe_run, fail, log0_outputs, summary_line
+from run.evaluate import evaluate_only, start_evaluation
 from run.export import export_final
 from run.guard import NonFiniteGuard, RunStopped
+from run.offline import dry_run, rehearse
 from run.report import ReportError, check_available, parse_report_to
-from run.steplog import StepLog
+from run.steplog import StepLog, cuda_reserved_gb, peak_tflops
 
 IGNORE = -100  # the label the loss skips (padding, and --loss-on predictable's other labels)
 
@@ -490,10 +478,10 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
 # ---------------------------------------------------------------------------------------------
 def main(argv=None) -> None:
     cfg = parse_args(argv)
-    if cfg.dry_run:  # no process group, no downloads, no weights
+    if cfg.dry_run:  # no process group, no downloads, no weights (run/offline.py)
         return dry_run(cfg)
-    if cfg.rehearse:  # a fake process group, fake tensors: nothing real but the arithmetic
-        return rehearse(cfg)
+    if cfg.rehearse:  # a fake process group, fake tensors: this file's step on them
+        return rehearse(cfg, make_optimizer, train_step)
     # Every process checks everything before the process group (a bad flag costs a second);
     # rank 0 also takes the lock on --out.
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -507,8 +495,10 @@ def main(argv=None) -> None:
         return
     rank, world, local_world, device = init_distributed(cfg.cpu_offload)
     try:
-        run = evaluate_only if cfg.eval_only else train
-        run(cfg, rank, world, local_world, device)
+        # Checked again with the process group: a hub id is downloaded now (once per node).
+        mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True)
+        run = evaluate_only if cfg.eval_only else train  # --eval-only: run/evaluate.py
+        run(cfg, mc, model_dir, sp, dp, rank, device)
         dist.barrier()  # nobody tears down the group while another rank still saves
     finally:
         dist.destroy_process_group()
@@ -516,205 +506,13 @@ def main(argv=None) -> None:
             lock.release()
 
 
-def offline_layout(cfg: TrainConfig, what: str):
-    """(model config, world, sp, dp) for a run planned without starting it (--dry-run,
-    --rehearse): no process group, no download, no weights. The world is torchrun's, else this
-    machine's GPUs, else the recipe's node of 8."""
-    world = int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 8
-    check_flags(cfg)
-    mc, _ = resolve_model(cfg, download=False, weights=False)
-    if mc is None:
-        raise ConfigError(
-            f"--model {cfg.model}: its shapes are unknown without a download; {what} pass "
-            f"a directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})"
-        )
-    sp, dp = check_layout(cfg, mc, world, min(world, 8))
-    return mc, world, sp, dp
-
-
-def dry_run(cfg: TrainConfig) -> None:
-    mc, world, sp, dp = offline_layout(cfg, "for a dry run")
-    resolved = {
-        "train": dataclasses.asdict(cfg),
-        "model": mc.to_dict(),
-        "gpus": world,
-        "sp": sp,
-        "dp": dp,
-        "tokens_per_rank": math.ceil(cfg.seq_len / sp),
-    }
-    print(json.dumps(resolved, indent=2, default=str))
-    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # "auto" on a GPU: bf16
-    try:
-        rates = read_calibration(cfg.calibration) if cfg.calibration else None
-    except ValueError as e:
-        raise ConfigError(f"--calibration {e}") from None
-    p = plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
-    print(format_plan(p, rates=rates))
-    if cfg.sweep:
-        print("\n" + format_sweep(p, sweep(p, rates)))
-
-
-def rehearse(cfg: TrainConfig) -> None:
-    """Two steps of this exact run through train_step on fake tensors (memory/rehearsal.py):
-    measured memory per phase and FLOPs next to the plan, then OUT/memory_timeline.png."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from memory.rehearsal import (
-        StepRehearsal,
-        fake_process_group,
-        gpu_only_terms,
-        summarize,
-        write_timeline,
-    )
-
-    mc, world, sp, dp = offline_layout(cfg, "to rehearse")
-    # The CPU path is what runs (fake CUDA tensors cannot run autograd without a GPU): the same
-    # tensors as on a GPU, with CPU kernels; what only a GPU holds is added by name below.
-    device = torch.device("cpu")
-    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16  # "auto" on a GPU: bf16
-    cfg = dataclasses.replace(cfg, dtype=str(dtype)[6:], attn_backend="auto")
-    log0(
-        f"rehearse: {cfg.model} ({mc.num_hidden_layers} layers) at {cfg.seq_len:,} tokens/row, "
-        f"{world} processes (sp {sp} x dp {dp}), {str(dtype)[6:]}, as rank 0 on fake tensors; "
-        f"every label is taken to count, and nothing is read back to the host"
-    )
-    steps = []
-    with fake_process_group(world):
-        mesh = build_mesh(world, sp, device.type)
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-        cfg, model, pool, planned = build_model(cfg, mc, None, mesh, dp, device, dtype, mode)
-        optimizer = make_optimizer(cfg, model)
-        tokens = math.ceil(cfg.seq_len / sp)
-        for step in (1, 2):
-            t0 = time.perf_counter()
-            with mode:  # the shapes RowLoader hands each rank: [1, T/sp]
-                batch = dict(
-                    input_ids=torch.zeros(1, tokens, dtype=torch.long),
-                    position_ids=torch.arange(tokens).unsqueeze(0),
-                    labels=torch.zeros(1, tokens, dtype=torch.long),
-                )
-                micro_batches = [dict(batch) for _ in range(cfg.grad_accum)]
-                rehearsal = StepRehearsal(
-                    model,
-                    optimizer,
-                    pool,
-                    batch=batch.values(),
-                    layers=model.model.layers,
-                    count_flops=step == 1,
-                    host_state=cfg.cpu_offload,
-                )
-                with rehearsal:
-                    train_step(model, optimizer, micro_batches, cfg)
-            steps.append(rehearsal)
-            peak = rehearsal.meter.peak_bytes / 1e9
-            log0(f"rehearse: step {step} in {time.perf_counter() - t0:.1f} s, peak {peak:.2f} GB")
-        pool.reset_step()
-    # The plan of this CPU path is what the rehearsal measures; the GPU terms come on top.
-    cpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cpu")
-    gpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
-    flops_planned = step_flops(mc, cfg.seq_len)  # one row, which an sp group shares
-    recompute = "no_attn_recompute" if planned.options.save_attention else "full_recompute"
-    lines, record = summarize(
-        steps, cpu_plan, flops_planned[recompute] / sp, gpu_only_terms(gpu_plan)
-    )
-    for line in lines:
-        log0(line)
-    os.makedirs(cfg.out, exist_ok=True)
-    with open(os.path.join(cfg.out, "rehearsal.json"), "w") as fh:
-        json.dump(record, fh, indent=1)
-    path = os.path.join(cfg.out, "memory_timeline.png")
-    title = f"{cfg.model}, {cfg.seq_len:,} tokens, sp {sp} x dp {dp}: step 2 on fake tensors"
-    if write_timeline(path, steps[1].meter.timeline, cpu_plan.total, title):
-        log0(f"rehearse: {cfg.out}/rehearsal.json, {path}")
-    else:
-        log0(
-            f"rehearse: {cfg.out}/rehearsal.json; no picture without matplotlib "
-            f"(python3 -m pip install matplotlib): the table above has its numbers"
-        )
-
-
 # ---------------------------------------------------------------------------------------------
-# The run: what it is, its model (run/build.py), resume, the steps, the save
+# The run: what it is (run/console.py), its model (run/build.py), resume, the steps, the save
 # ---------------------------------------------------------------------------------------------
-PEAK_TFLOPS = {  # dense bf16 per GPU, from the vendors' data sheets (for the mfu field)
-    "H100": 989.0,
-    "H200": 989.0,
-    "H800": 989.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "B200": 2250.0,
-}
-
-
-def peak_tflops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-
-
-def cuda_reserved_gb(device: torch.device) -> float | None:
-    """The most memory the CUDA caching allocator held this step (the meter reset the peak at
-    the step's start): what the GPU really gave up, allocated memory plus the cache's slack."""
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_reserved(device) / 1e9
-
-
-def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
-    """OUT/config.json (every field, so `--config OUT/config.json` reruns it) and the intro."""
-    if dist.get_rank() == 0:
-        with open(os.path.join(cfg.out, "config.json"), "w") as fh:
-            json.dump(dataclasses.asdict(cfg), fh, indent=2)
-    log0(
-        f"config: {cfg.out}/config.json | model {cfg.model} ({mc.num_hidden_layers} layers, "
-        f"hidden {mc.hidden_size}) | data {cfg.data} | {cfg.seq_len:,} tokens/row | {world} "
-        f"{device.type} processes: sp {sp} x dp {dp} | {str(dtype)[6:]} | {cfg.steps} steps, "
-        f"lr {cfg.lr:g} {cfg.decay}"
-    )
-    if cfg.data == "synthetic:repeat":  # the demo's data: say what it shows
-        counted = "the repeated half only" if cfg.loss_on == "predictable" else "every label"
-        log0(
-            f"demo: random rows of {cfg.seq_len} tokens whose second half repeats the first; "
-            f"the loss counts {counted}.\nwatch: it sits near ln {mc.vocab_size} = "
-            f"{math.log(mc.vocab_size):.2f} until attention finds the offset (across the sp "
-            f"shards, through Ulysses), then falls towards 0."
-        )
-    if cfg.seq_len > mc.max_position_embeddings:
-        log0(
-            f"warning: --seq-len {cfg.seq_len:,} exceeds max_position_embeddings "
-            f"({mc.max_position_embeddings:,}); long-context runs want --yarn-factor"
-        )
-
-
-def resume_from(cfg, model, optimizer, loader, rank) -> int:
-    """The step to start at: 0, or the step of the checkpoint --resume names, or (auto) of the
-    newest one that verifies and loads, saying which it passed over and why."""
-    if not cfg.resume:
-        return 0
-    auto = cfg.resume == "auto"
-    paths = [p for _, p in reversed(checkpoints(cfg.out))] if auto else [cfg.resume]
-    resumed, skipped = resume(paths, model, optimizer, loader, rank, seed=cfg.seed)
-    if resumed is None and not auto:
-        raise ConfigError(
-            f"--resume {cfg.resume}: not a loadable checkpoint ({skipped[0][1]}); pass another "
-            f"step_* directory under OUT/checkpoints, or --resume auto"
-        )
-    for name, why in skipped:
-        log0(f"resume: skipped {name}: {why}")
-    if resumed is None:
-        log0(f"resume: no loadable checkpoint in {cfg.out}/checkpoints; starting at step 0")
-        return 0
-    if resumed.change:
-        log0(resumed.change)
-    log0(f"resumed from {resumed.path} at step {resumed.step}")
-    return resumed.step
-
-
-def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: torch.device) -> None:
+def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) -> None:
+    """The run main() checked: `mc` the model's config, model_dir its weights (None: init)."""
     torch.manual_seed(cfg.seed)
-    # Checked again with the process group: a hub id is downloaded now (once per node).
-    mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True)
+    world = sp * dp
     dtype = compute_dtype(cfg, device)
     describe_run(cfg, mc, world, sp, dp, device, dtype)
 
@@ -751,8 +549,7 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         log0(f"checkpoint: {path} (step {step})")
         return path
 
-    # MFU counts model FLOPs the usual way: no recomputation (ours is overhead), backward = 2x
-    # forward.
+    # MFU counts the model's FLOPs: no recomputation (ours is overhead), backward = 2x forward
     flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
     guard = NonFiniteGuard(cfg.max_bad_steps)
     log = StepLog(
@@ -837,84 +634,6 @@ def train(cfg: TrainConfig, rank: int, world: int, local_world: int, device: tor
         export_final(model, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0)
         log0(f"saved {final} (Hugging Face layout)")
     log0_outputs(cfg, log, final)
-
-
-def evaluate_only(cfg: TrainConfig, rank: int, world: int, local_world: int, device) -> None:
-    """--eval-only: --model's held-out loss by position on --eval-data (run/evaluate.py): the
-    same record and picture as a run's, no optimizer and no step."""
-    mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True)
-    dtype = compute_dtype(cfg, device)
-    mesh = build_mesh(world, sp, device.type)
-    cfg, model, _ = sharded_model(cfg, mc, model_dir, mesh, device, dtype)
-    apply_offload(model, offload=False, tile_mlp=cfg.tile_mlp or None)  # only the MLP tiling
-    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
-    log = StepLog(
-        cfg,
-        rank,
-        start=0,
-        planned_peak_gb=(None, None),
-        peak_tflops=None,
-        flops_per_step=0.0,
-        world=world,
-        progress=False,
-    )
-    measure = cfg.measure_memory or device.type == "cuda"
-    evaluation = start_evaluation(
-        model, None, None, cfg, mc, model_dir, mesh, log, planned, start=0, measure=measure
-    )
-    evaluation.finish()
-    log.close()
-
-
-def summary_line(peak_gb, measured: bool, planned_bytes: float, steps: int, seconds: float) -> str:
-    if peak_gb is not None:
-        peak = f"{peak_gb:.4g} GB measured"
-    else:
-        peak = "not measured" + ("" if measured else " (--measure-memory)")
-    return (
-        f"{steps} steps in {seconds:.1f} s; memory per GPU: peak {peak}, "
-        f"{planned_bytes / 1e9:.4g} GB planned (memory/plan.py)"
-    )
-
-
-def log0_outputs(cfg: TrainConfig, log: StepLog, final: str) -> None:
-    """What happened, and where it is."""
-    if log.first:
-        (first_step, first_loss), (last_step, last_loss) = log.first, log.last
-        which = " on the predictable labels" if cfg.loss_on == "predictable" else ""
-        log0(
-            f"loss{which}: {first_loss:.4f} at step {first_step} -> {last_loss:.4f} at step "
-            f"{last_step} ({last_loss / first_loss:.1%} of the first)"
-        )
-    outputs = (
-        f"outputs in {cfg.out}/: metrics.jsonl (one record per step and per evaluation), "
-        f"config.json (--config reruns it)"
-    )
-    if cfg.save_every:
-        outputs += ", checkpoints/ (--resume auto)"
-    if cfg.save_final:
-        outputs += f'; load the model with AutoModelForCausalLM.from_pretrained("{final}")'
-    log0(outputs)
-
-
-def fail(e: BaseException, code: int) -> None:
-    """One line per failure, rank 0's first: the other ranks (usually failing because of it)
-    wait a moment. Exit codes: 2 a refusal before anything ran, 3 stopped with the last good
-    state saved, 1 a fault (with its traceback, for whoever debugs it)."""
-    rank = int(os.environ.get("RANK", 0))
-    if rank:
-        time.sleep(3)
-    if code == 1:
-        import traceback
-
-        traceback.print_exception(e)
-    if code == 1:
-        msg = error_line(e)
-    else:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-    who = f" (rank {rank})" if rank else ""
-    print(f"error{who}: {msg}", file=sys.stderr, flush=True)
-    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,13 @@
 """Dense Qwen3 in plain PyTorch: one file, no framework, not distributed (see model/parallel.py).
 
+    model = Qwen3(Qwen3Config.preset("tiny"))     # real shapes: Qwen3Config.from_hf(model_dir)
+    model.init_weights(seed=0)                    # or read a checkpoint: model/weights.py
+    ids = torch.randint(0, model.config.vocab_size, (1, 257))   # a row: inputs, then next tokens
+    hidden = model(ids[:, :-1])                   # [B, T, hidden], the final norm applied
+    loss = chunked_cross_entropy(hidden.flatten(0, 1), model.lm_head.weight, ids[:, 1:].flatten(),
+                                 reduction="mean")   # loss/chunked_ce.py: no [T, vocab] logits
+    loss.backward()
+
 The module tree mirrors Hugging Face's Qwen3ForCausalLM, so `state_dict()` keys are exactly the
 checkpoint keys (`model.embed_tokens.weight`, `model.layers.0.self_attn.q_proj.weight`, ...,
 `lm_head.weight`) and loading needs no renaming table.

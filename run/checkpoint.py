@@ -4,6 +4,7 @@
     paths = [p for _, p in reversed(checkpoints(out))]           # newest first
     resumed, skipped = resume(paths, model, optimizer, loader, rank, seed=0)
     resumed.step, resumed.change     # the step it was saved after; a line if the layout changed
+    start = resume_from(cfg, model, optimizer, loader, rank)     # train.py: --resume, said
     trim_metrics(metrics_path, resumed.step)                      # records after it go
     error_line(exc)     # the one line for a failure, DCP's CheckpointException included
 
@@ -427,6 +428,36 @@ def resume(
             f"model; move the damaged checkpoints out of checkpoints/ and run again"
         )
     return None, skipped
+
+
+def resume_from(cfg, model, optimizer, loader, rank: int) -> int:
+    """The step a run starts at: 0, or the step of the checkpoint --resume names, or (auto) of
+    the newest one under cfg.out that verifies and loads; rank 0 says which it passed over and
+    why. `cfg` is train.py's TrainConfig (its resume, out and seed)."""
+
+    def say(line: str) -> None:
+        if rank == 0:
+            print(line, flush=True)
+
+    if not cfg.resume:
+        return 0
+    auto = cfg.resume == "auto"
+    paths = [p for _, p in reversed(checkpoints(cfg.out))] if auto else [cfg.resume]
+    resumed, skipped = resume(paths, model, optimizer, loader, rank, seed=cfg.seed)
+    if resumed is None and not auto:
+        raise ConfigError(
+            f"--resume {cfg.resume}: not a loadable checkpoint ({skipped[0][1]}); pass another "
+            f"step_* directory under OUT/checkpoints, or --resume auto"
+        )
+    for name, why in skipped:
+        say(f"resume: skipped {name}: {why}")
+    if resumed is None:
+        say(f"resume: no loadable checkpoint in {cfg.out}/checkpoints; starting at step 0")
+        return 0
+    if resumed.change:
+        say(resumed.change)
+    say(f"resumed from {resumed.path} at step {resumed.step}")
+    return resumed.step
 
 
 def trim_metrics(path: str, step: int) -> int:

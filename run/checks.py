@@ -14,6 +14,7 @@ train.py's TrainConfig; this file reads its fields and imports nothing from trai
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -336,6 +337,26 @@ def check_data(
         )
 
 
+def check_eval(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, dp: int) -> None:
+    """The evaluation's rows (run/evaluate.py's held_out), checked as check_data checks --data:
+    the source resolves, does not overlap the training rows, and holds what --eval-rows asks."""
+    from run.evaluate import evaluating, held_out, too_few_rows
+
+    if not evaluating(cfg):
+        return
+    h = held_out(cfg, dp)
+    if too_few_rows(h, cfg):
+        return  # evaluation off, said at the start of the run
+    as_data = dataclasses.replace(cfg, data=h.source, seed=h.seed, loss_on="all")
+    try:
+        check_data(as_data, mc, model_dir, random_init, h.first_row + cfg.eval_rows)
+    except ConfigError as e:
+        msg = str(e)
+        if msg.startswith("--data"):
+            msg = "--eval-data" + msg[len("--data") :]
+        raise ConfigError(msg) from None
+
+
 # ---- host memory ------------------------------------------------------------------------------
 def cuda_compute_bytes(cfg) -> int:
     """Bytes per element of a CUDA run's compute dtype (--dtype auto is bfloat16 there)."""
@@ -435,8 +456,6 @@ def check_run(cfg, world: int, local_world: int, *, download: bool = False):
     sp, dp = check_layout(cfg, mc, world, local_world)
     random_init = model_dir is None and cfg.model in MODEL_PRESETS
     check_data(cfg, mc, model_dir, random_init, cfg.steps * cfg.grad_accum * dp)
-    from run.evaluate import check_eval
-
     check_eval(cfg, mc, model_dir, random_init, dp)
     if not cfg.eval_only:  # an evaluation pins no host memory
         check_host_memory(cfg, mc, world, sp, dp, origin)

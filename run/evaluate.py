@@ -5,6 +5,7 @@
     evaluation.at(model, step)     # after a step: evaluates when --eval-every says so
     evaluation.finish()            # OUT/loss_by_position.png (or a text table): first vs last
     totals = evaluate_rows(model, rows, mesh, edges, loss_chunk=256)   # the loop alone
+    evaluate_only(cfg, mc, model_dir, sp, dp, rank, device)   # train.py --eval-only
 
 Which rows (held_out): --eval-data's first --eval-rows rows; else rows the run does not train
 on: PG-19's validation split for pg19, the rows after the training rows for a token file or a
@@ -55,7 +56,9 @@ from data.rows import token_file_rows
 from loss.chunked_ce import token_losses
 from memory.meter import StepMeter
 from model.config import ConfigError, Qwen3Config
-from run.steplog import finite_or_none
+from model.parallel import build_mesh
+from run.build import build_model, compute_dtype
+from run.steplog import StepLog, finite_or_none
 
 IGNORE = -100  # the label nobody counts: shard_row's padding, token_losses' ignore_index
 FIRST_BUCKET = 1024  # tokens of the first position bucket at long rows; each next one doubles
@@ -132,7 +135,7 @@ def held_out(cfg, dp: int) -> HeldOut:
     return HeldOut(src, cfg.seed, train_rows(cfg, dp), given=False)
 
 
-def _too_few_rows(h: HeldOut, cfg) -> str | None:
+def too_few_rows(h: HeldOut, cfg) -> str | None:
     """Why a default held-out token file has no rows to spare (then evaluation is off)."""
     if h.given or not h.source.startswith("tokens:"):
         return None
@@ -143,26 +146,6 @@ def _too_few_rows(h: HeldOut, cfg) -> str | None:
         f"{h.source} holds {have} rows of {cfg.seq_len + 1} tokens and the run trains on "
         f"{h.first_row}; pass --eval-data for held-out rows"
     )
-
-
-def check_eval(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, dp: int) -> None:
-    """run/checks.py's checks of the evaluation's rows, before the process group: the source
-    resolves, does not overlap the training rows, and holds what --eval-rows asks for."""
-    from run.checks import check_data
-
-    if not evaluating(cfg):
-        return
-    h = held_out(cfg, dp)
-    if _too_few_rows(h, cfg):
-        return  # evaluation off, said at the start of the run
-    as_data = replace(cfg, data=h.source, seed=h.seed, loss_on="all")
-    try:
-        check_data(as_data, mc, model_dir, random_init, h.first_row + cfg.eval_rows)
-    except ConfigError as e:
-        msg = str(e)
-        if msg.startswith("--data"):
-            msg = "--eval-data" + msg[len("--data") :]
-        raise ConfigError(msg) from None
 
 
 def load_held_out(h: HeldOut, cfg, mc: Qwen3Config, model_dir: str | None) -> list:
@@ -466,7 +449,7 @@ def start_evaluation(
     rows, why_not = None, None
     if evaluating(cfg):
         h = held_out(cfg, mesh["dp"].size())
-        why_not = _too_few_rows(h, cfg)
+        why_not = too_few_rows(h, cfg)
         rows = None if why_not else load_held_out(h, cfg, mc, model_dir)
     evaluation = Evaluation(
         cfg, mc, rows, mesh, log, plan, measure=measure, optimizer=optimizer, pool=pool
@@ -483,10 +466,37 @@ def start_evaluation(
     log.say(
         f"eval: {len(rows)} row{'s' * (len(rows) > 1)} of {cfg.seq_len:,} tokens from "
         f"{h.describe()} on sp {sp} x dp {dp}, {when}; loss in {len(evaluation.edges) - 1} "
-        f"position buckets{picture}; "
-        f"peak {plan.eval_total / 1e9:.3g} GB per GPU planned (a training step: "
-        f"{plan.total / 1e9:.3g} GB)"
+        f"position buckets{picture}; peak {plan.eval_total / 1e9:.3g} GB per GPU planned"
+        + ("" if cfg.eval_only else f" (a training step: {plan.total / 1e9:.3g} GB)")
     )
     if start == 0:  # a resumed run's metrics file has its evaluations up to `start`
         evaluation.at(model, 0)
     return evaluation
+
+
+def evaluate_only(cfg, mc, model_dir, sp: int, dp: int, rank: int, device) -> None:
+    """--eval-only, after train.py's checks (run/checks.py's check_run, with the process group):
+    --model's held-out loss by position on --eval-data, the same record and picture as a run's,
+    no optimizer and no step. The model is built as a run's (run/build.py) without offload or
+    attention once, which only a backward would use; the MLP is tiled as --tile-mlp says."""
+    world = sp * dp
+    mesh = build_mesh(world, sp, device.type)
+    cfg = replace(cfg, offload=False, save_attention=False)
+    dtype = compute_dtype(cfg, device)
+    cfg, model, _, planned = build_model(cfg, mc, model_dir, mesh, dp, device, dtype)
+    log = StepLog(
+        cfg,
+        rank,
+        start=0,
+        planned_peak_gb=(None, None),
+        peak_tflops=None,
+        flops_per_step=0.0,
+        world=world,
+        progress=False,
+    )
+    measure = cfg.measure_memory or device.type == "cuda"
+    evaluation = start_evaluation(
+        model, None, None, cfg, mc, model_dir, mesh, log, planned, start=0, measure=measure
+    )
+    evaluation.finish()
+    log.close()

@@ -8,6 +8,7 @@
     log.say(line)                        # a console line under the bar
     log.close()
     log.first, log.last                  # (step, loss) of this launch's first and last good steps
+    peak_tflops(device), cuda_reserved_gb(device)   # the GPU's figures for mfu, reserved_gb
 
 Only rank 0 writes; on the other ranks every method is a no-op, so the loop needs no rank checks.
 The record's fields are listed in README ("metrics.jsonl"); a skipped step's non-finite loss and
@@ -22,10 +23,36 @@ import math
 import os
 import sys
 
+import torch
 from tqdm import tqdm
 
 from run.checkpoint import trim_metrics
 from run.report import Reporter, parse_report_to
+
+PEAK_TFLOPS = {  # dense bf16 per GPU, from the vendors' data sheets (for the mfu field)
+    "H100": 989.0,
+    "H200": 989.0,
+    "H800": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "B200": 2250.0,
+}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """This GPU's dense bf16 TFLOP/s for the record's mfu; None on CPU or an unlisted GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def cuda_reserved_gb(device: torch.device) -> float | None:
+    """The most memory the CUDA caching allocator held this step (the meter reset the peak at
+    the step's start): what the GPU really gave up, allocated memory plus the cache's slack."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_reserved(device) / 1e9
 
 
 def finite_or_none(x: float) -> float | None:

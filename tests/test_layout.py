@@ -56,9 +56,18 @@ def test_model_and_loss_stand_alone_and_open_with_usage(path):
     if os.path.basename(path) == "__init__.py" and not doc:
         return
     assert doc, f"{path} has no module docstring"
-    # A usage example is an indented code line in the docstring's opening paragraphs.
-    opening = doc.splitlines()[:25]
-    assert any(line.startswith("    ") and line.strip() for line in opening), path
+    # A usage example is an indented line of Python in the docstring's opening paragraphs (an
+    # indented formula or diagram is not one).
+    opening = [line for line in doc.splitlines()[:25] if line.startswith("    ") and line.strip()]
+    assert any(is_python(line.strip()) for line in opening), f"{path} opens with no usage"
+
+
+def is_python(line: str) -> bool:
+    try:
+        ast.parse(line)
+    except SyntaxError:
+        return False
+    return True
 
 
 def test_functions_in_model_loss_data_are_at_most_80_lines():

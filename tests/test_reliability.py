@@ -405,6 +405,32 @@ def test_a_failed_checkpoint_write_is_one_line_naming_the_rank(tmp_path):
     assert p.stderr.index("Traceback") < p.stderr.index(errors[0])  # below the traceback
 
 
+def dcp_save_raises_checkpoint_exception():
+    """Setup for a train.py rank: torch.distributed.checkpoint.save raises what DCP raises when a
+    rank's write fails: a CheckpointException (a BaseException) holding that rank's wrapped
+    error, built as torch/distributed/checkpoint/utils.py builds it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    def save(*args, **kwargs):
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as e:
+            raise CheckpointException("write_data", {0: _wrap_exception(e)}) from None
+
+    dcp.save = save
+
+
+def test_a_checkpoint_exception_ends_the_run_with_its_one_line(tmp_path):
+    """One process, the save failing inside DCP: exit 1 and one 'error: ...' line naming the rank
+    and its error, not Python's bare traceback of an exception 'except Exception' lets by."""
+    args = tiny_run(tmp_path / "run", "--steps", "1", "--save-every", "1", "--no-save-final")
+    p = run(args, setup=dcp_save_raises_checkpoint_exception)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("error")]
+    want = "error: CheckpointException from rank 0: OSError: [Errno 28] No space left on device"
+    assert p.returncode == 1 and errors == [want], p.stderr[-3000:]
+
+
 class Plant:
     """Unpickling it creates `path`: what a checkpoint from someone else could do on load."""
 

@@ -1,0 +1,170 @@
+"""A run planned without starting it: train.py --dry-run and --rehearse.
+
+    dry_run(cfg)                               # the resolved config and memory plan, printed
+    rehearse(cfg, make_optimizer, train_step)  # two steps on fake tensors, next to the plan
+    mc, world, sp, dp = offline_layout(cfg, "for a dry run")   # what both plan for
+
+Neither starts a process group, downloads anything or reads a weight: the model's shapes come
+from a preset, a directory's config.json or a hub id whose shapes are known (run/checks.py), and
+the world is torchrun's, else this machine's GPUs, else the recipe's node of 8.
+
+dry_run prints the config as JSON and memory/report.py's table of memory/plan.py's plan (with
+--calibration, the step projected from bench/gpu_check.py's measured rates; with --sweep, the
+lengths x GPU counts table). rehearse builds the run exactly as a run would (run/build.py) under
+a fake process group and fake tensors (memory/rehearsal.py) and runs two steps of train.py's own
+train_step, which train.py hands in with its optimizer (this file imports nothing from train.py,
+which runs as __main__); it prints the measured memory per phase and FLOPs next to the plan and
+writes OUT/rehearsal.json and OUT/memory_timeline.png. `cfg` is train.py's TrainConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+
+import torch
+
+from memory.choices import plan_for_run
+from memory.model_size import step_flops
+from memory.report import format_plan
+from memory.steptime import read_calibration
+from memory.sweep import format_sweep, sweep
+from model.config import PRESETS as MODEL_PRESETS
+from model.config import ConfigError
+from model.parallel import build_mesh
+from run.build import build_model, log0
+from run.checks import check_flags, check_layout, resolve_model
+
+
+def offline_layout(cfg, what: str):
+    """(model config, world, sp, dp) for a run planned without starting it (--dry-run,
+    --rehearse): no process group, no download, no weights. The world is torchrun's, else this
+    machine's GPUs, else the recipe's node of 8."""
+    world = int(os.environ.get("WORLD_SIZE", 0)) or torch.cuda.device_count() or 8
+    check_flags(cfg)
+    mc, _ = resolve_model(cfg, download=False, weights=False)
+    if mc is None:
+        raise ConfigError(
+            f"--model {cfg.model}: its shapes are unknown without a download; {what} pass "
+            f"a directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})"
+        )
+    sp, dp = check_layout(cfg, mc, world, min(world, 8))
+    return mc, world, sp, dp
+
+
+def planned_dtype(cfg) -> torch.dtype:
+    """The compute dtype of the GPU run being planned: --dtype auto is bfloat16 there."""
+    return torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+
+
+def dry_run(cfg) -> None:
+    mc, world, sp, dp = offline_layout(cfg, "for a dry run")
+    resolved = {
+        "train": dataclasses.asdict(cfg),
+        "model": mc.to_dict(),
+        "gpus": world,
+        "sp": sp,
+        "dp": dp,
+        "tokens_per_rank": math.ceil(cfg.seq_len / sp),
+    }
+    print(json.dumps(resolved, indent=2, default=str))
+    try:
+        rates = read_calibration(cfg.calibration) if cfg.calibration else None
+    except ValueError as e:
+        raise ConfigError(f"--calibration {e}") from None
+    p = plan_for_run(cfg, mc, world, sp, dp, planned_dtype(cfg), "cuda")
+    print(format_plan(p, rates=rates))
+    if cfg.sweep:
+        print("\n" + format_sweep(p, sweep(p, rates)))
+
+
+def rehearse(cfg, make_optimizer, train_step) -> None:
+    """Two steps of this exact run through train.py's train_step on fake tensors
+    (memory/rehearsal.py): measured memory per phase and FLOPs next to the plan, then
+    OUT/memory_timeline.png. make_optimizer(cfg, model) and train_step(model, optimizer,
+    micro_batches, cfg) are train.py's own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memory.rehearsal import fake_process_group
+
+    mc, world, sp, dp = offline_layout(cfg, "to rehearse")
+    # The CPU path is what runs (fake CUDA tensors cannot run autograd without a GPU): the same
+    # tensors as on a GPU, with CPU kernels; what only a GPU holds is added by name below.
+    device, dtype = torch.device("cpu"), planned_dtype(cfg)
+    cfg = dataclasses.replace(cfg, dtype=str(dtype)[6:], attn_backend="auto")
+    log0(
+        f"rehearse: {cfg.model} ({mc.num_hidden_layers} layers) at {cfg.seq_len:,} tokens/row, "
+        f"{world} processes (sp {sp} x dp {dp}), {str(dtype)[6:]}, as rank 0 on fake tensors; "
+        f"every label is taken to count, and nothing is read back to the host"
+    )
+    with fake_process_group(world):
+        mesh = build_mesh(world, sp, device.type)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        cfg, model, pool, planned = build_model(cfg, mc, None, mesh, dp, device, dtype, mode)
+        optimizer = make_optimizer(cfg, model)
+        steps = [
+            rehearse_step(step, cfg, model, optimizer, pool, mode, sp, train_step)
+            for step in (1, 2)
+        ]
+        pool.reset_step()
+    report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps)
+
+
+def rehearse_step(step: int, cfg, model, optimizer, pool, mode, sp: int, train_step):
+    """One step on fake tensors under memory/rehearsal.py's StepRehearsal, which it returns."""
+    from memory.rehearsal import StepRehearsal
+
+    t0 = time.perf_counter()
+    tokens = math.ceil(cfg.seq_len / sp)
+    with mode:  # the shapes RowLoader hands each rank: [1, T/sp]
+        batch = dict(
+            input_ids=torch.zeros(1, tokens, dtype=torch.long),
+            position_ids=torch.arange(tokens).unsqueeze(0),
+            labels=torch.zeros(1, tokens, dtype=torch.long),
+        )
+        micro_batches = [dict(batch) for _ in range(cfg.grad_accum)]
+        rehearsal = StepRehearsal(
+            model,
+            optimizer,
+            pool,
+            batch=batch.values(),
+            layers=model.model.layers,
+            count_flops=step == 1,
+            host_state=cfg.cpu_offload,
+        )
+        with rehearsal:
+            train_step(model, optimizer, micro_batches, cfg)
+    peak = rehearsal.meter.peak_bytes / 1e9
+    log0(f"rehearse: step {step} in {time.perf_counter() - t0:.1f} s, peak {peak:.2f} GB")
+    return rehearsal
+
+
+def report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps) -> None:
+    """The rehearsal's table next to the plan, OUT/rehearsal.json and OUT/memory_timeline.png."""
+    from memory.rehearsal import gpu_only_terms, summarize, write_timeline
+
+    # The plan of this CPU path is what the rehearsal measures; the GPU terms come on top.
+    cpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cpu")
+    gpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
+    flops_planned = step_flops(mc, cfg.seq_len)  # one row, which an sp group shares
+    recompute = "no_attn_recompute" if planned.options.save_attention else "full_recompute"
+    lines, record = summarize(
+        steps, cpu_plan, flops_planned[recompute] / sp, gpu_only_terms(gpu_plan)
+    )
+    for line in lines:
+        log0(line)
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "rehearsal.json"), "w") as fh:
+        json.dump(record, fh, indent=1)
+    path = os.path.join(cfg.out, "memory_timeline.png")
+    title = f"{cfg.model}, {cfg.seq_len:,} tokens, sp {sp} x dp {dp}: step 2 on fake tensors"
+    if write_timeline(path, steps[1].meter.timeline, cpu_plan.total, title):
+        log0(f"rehearse: {cfg.out}/rehearsal.json, {path}")
+    else:
+        log0(
+            f"rehearse: {cfg.out}/rehearsal.json; no picture without matplotlib "
+            f"(python3 -m pip install matplotlib): the table above has its numbers"
+        )
