@@ -366,8 +366,9 @@ def _format_startup(p: Plan, rates: Rates | None) -> str:
     s = startup(p, rates)
     r = s.rates
     return (
-        f"time to first step, projected: start and backend probe {s.start_s:.0f} s "
-        f"({r.says('start_s')}) + weights {s.weights_bytes_per_rank / GB:.1f} GB per rank, "
+        f"time to first step, projected: start {s.start_s:.0f} s ({r.says('start_s')}) + "
+        f"attention probe {s.probe_s:.0f} s (one layer's attention at this rank's shape) + "
+        f"weights {s.weights_bytes_per_rank / GB:.1f} GB per rank, "
         f"{s.weights_bytes_per_node / GB:.1f} GB per node at {r.disk_gbps:g} GB/s disk "
         f"({r.says('disk_gbps')}) {s.weights_s:.0f} s + "
         f"{s.pinned_bytes_per_process / GB:.1f} GB host blocks pinned per process at "

@@ -68,7 +68,7 @@ HBM_GBPS = 3350.0  # H100 SXM HBM3 (data sheet), for AdamW on the GPU
 ADAMW_GPU_BYTES = 28 + 12
 DISK_GBPS = 2.0  # per node, reading the checkpoint: a local NVMe does 3-7, a network filesystem ~1
 PIN_GBPS = 4.0  # host memory pinned per process (cudaHostAlloc touches and locks every page)
-START_S = 15.0  # import, CUDA start, process group, attention backend probe (gpu_check allows 15)
+START_S = 15.0  # import, CUDA start, process group (gpu_check allows 15)
 CHECKPOINT_BYTES = 2  # bytes per parameter on disk: the Hugging Face Qwen3 checkpoints are bf16
 ATTENTION_ONCE_PASSES = (
     4  # a layer's non-attention work in gpu_check: forward, recompute, 2 backward
@@ -437,9 +437,11 @@ def project(p: Plan, rates: Rates | None = None) -> StepTime:
 # ---- before the first step -------------------------------------------------------------------
 @dataclass(frozen=True)
 class Startup:
-    """Time to the first step: the start, the weights read from disk, the host blocks pinned."""
+    """Time to the first step: the start, the attention probe, the weights read from disk, the
+    host blocks pinned."""
 
     start_s: float
+    probe_s: float
     weights_bytes_per_rank: float
     weights_bytes_per_node: float
     weights_s: float
@@ -449,13 +451,14 @@ class Startup:
 
     @property
     def time_s(self) -> float:
-        return self.start_s + self.weights_s + self.pin_s
+        return self.start_s + self.probe_s + self.weights_s + self.pin_s
 
 
 def startup(p: Plan, rates: Rates | None = None) -> Startup:
-    """Each rank reads only its rows of every tensor (model/weights.py), so a node reads
-    node/gpus of the checkpoint; each process pins its offload pool's blocks (and with
-    --cpu-offload its parameter and gradient shards) before step 1; all processes at once."""
+    """Each rank probes its attention kernel once (model/attention_probe.py), then reads only
+    its rows of every tensor (model/weights.py), so a node reads node/gpus of the checkpoint;
+    each process pins its offload pool's blocks (and with --cpu-offload its parameter and
+    gradient shards) before step 1; all processes at once."""
     r = rates or assumed_rates()
     lay, o = p.layout, p.options
     checkpoint = p.config.num_params() * CHECKPOINT_BYTES
@@ -467,8 +470,16 @@ def startup(p: Plan, rates: Rates | None = None) -> Startup:
             shard_numel(s, lay.gpus) * o.master_bytes for s in param_shapes(p.config).values()
         )
         pinned += sum(2 * host_pinned_bytes(n) for n in shards)
+    # The attention probe (model/attention_probe.py) runs the chosen kernel once, forward and
+    # backward, at this rank's shape: one layer's attention of the step, at the step's rates (one
+    # candidate; a second where the first fails).
+    layers, sp = p.config.num_hidden_layers, lay.sp
+    row = kernel_flops(p.config, p.seq_len, save_attention=True)
+    probe_s = row.attention_fwd / layers / sp / (r.attention_fwd_tflops * 1e12)
+    probe_s += row.attention_bwd / layers / sp / (r.attention_bwd_tflops * 1e12)
     return Startup(
         start_s=r.start_s,
+        probe_s=probe_s if o.device == "cuda" else 0.0,
         weights_bytes_per_rank=per_rank,
         weights_bytes_per_node=per_node,
         weights_s=per_node / (r.disk_gbps * GB),

@@ -143,7 +143,14 @@ def test_time_to_first_step_counts_each_ranks_rows_and_the_pinned_pool():
     assert s.weights_bytes_per_node == pytest.approx(QWEN3_8B.num_params() * 2 / 2, rel=1e-12)
     pool = p.host.saved_inputs_per_gpu + p.host.saved_attention_per_gpu
     assert s.pinned_bytes_per_process == pool and s.pin_s == pytest.approx(pool / 4e9)
-    assert s.time_s == pytest.approx(15 + s.weights_bytes_per_node / 2e9 + pool / 4e9)
+    # the probe: one layer's attention, forward (4 T^2 hd heads / 2, causal) and backward (2.5 x
+    # the forward: dq, dk, dv and the recomputed scores), on one of 8 ranks at the assumed rate
+    c, r = QWEN3_8B, assumed_rates()
+    forward = 4 * T_1M**2 * c.head_dim * c.num_attention_heads / 2 / 8
+    assert r.attention_fwd_tflops == r.attention_bwd_tflops
+    assert s.probe_s == pytest.approx(3.5 * forward / (r.attention_fwd_tflops * 1e12), rel=1e-3)
+    rest = s.weights_bytes_per_node / 2e9 + pool / 4e9
+    assert s.time_s == pytest.approx(15 + s.probe_s + rest)
 
 
 # ---- calibration -----------------------------------------------------------------------------
