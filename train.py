@@ -17,10 +17,7 @@ run/evaluate.py. Each sp group shares one row (T/sp tokens per GPU); dp groups t
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
-import json
 import math
 import os
 import time
@@ -57,6 +54,7 @@ from run.checks import CHOICES, check_run, open_run_dir
 from run.console import describe_run, fail, log0_outputs, summary_line
 from run.evaluate import evaluate_only, start_evaluation
 from run.export import export_final
+from run.flags import parse_flags
 from run.guard import NonFiniteGuard, RunStopped
 from run.offline import dry_run, rehearse
 from run.report import ReportError, check_available, parse_report_to
@@ -243,69 +241,9 @@ PRESETS = {  # name: (its line in -h, its fields)
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other refusal (not usage + error)
-        self.exit(2, f"error: {message}; see python train.py -h\n")
-
-
-def add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> None:
-    """--some-field for TrainConfig.some_field, its help line ending in its default and choices."""
-    help_text, choices = f.metadata.get("help", ""), f.metadata.get("choices")
-    default = "unset" if f.default is None else repr(f.default)
-    more = f"default: {default}"
-    if choices:
-        more += f"; one of {', '.join(choices)}"
-    flag = "--" + f.name.replace("_", "-")
-    if f.type.startswith("bool"):
-        kind = dict(action=argparse.BooleanOptionalAction)
-    else:
-        value_type = {"int": int, "float": float}.get(f.type, str)
-        kind = dict(type=value_type, metavar=f.name.upper(), choices=choices)
-    parser.add_argument(flag, default=None, help=f"{help_text} ({more})", **kind)
-
-
-def read_config_file(path: str) -> dict:
-    """The fields of a run's OUT/config.json, refused with one line if it is not one."""
-    try:
-        with open(path) as fh:
-            fields = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"--config {path}: cannot read it ({e}); pass a run's OUT/config.json"
-        ) from None
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    if unknown := sorted(set(fields) - known):
-        raise ConfigError(
-            f"--config {path}: unknown fields {', '.join(unknown)}; pass a run's OUT/config.json"
-        )
-    return fields
-
-
 def parse_args(argv=None) -> TrainConfig:
     """Fields from the dataclass defaults, then --preset or --config, then the flags given."""
-    preset_lines = "\n".join(f"  {name:<12} {line}" for name, (line, _) in PRESETS.items())
-    p = _Parser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="presets:\n" + preset_lines,
-    )
-    p.add_argument(
-        "--preset", choices=sorted(PRESETS), default=None, help="start from a preset (listed below)"
-    )
-    p.add_argument(
-        "--config",
-        default=None,
-        help="start from a run's OUT/config.json: the same run (flags still override)",
-    )
-    for f in dataclasses.fields(TrainConfig):
-        add_field_flag(p, f)
-    given = vars(p.parse_args(argv))
-    preset, config_path = given.pop("preset"), given.pop("config")
-    base = PRESETS[preset][1] if preset else {}
-    if config_path:
-        base = read_config_file(config_path)
-    flags = {k: v for k, v in given.items() if v is not None}
-    return TrainConfig(**{**base, **flags})
+    return parse_flags(TrainConfig, PRESETS, argv, description=__doc__)
 
 
 # ---------------------------------------------------------------------------------------------
