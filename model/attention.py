@@ -397,7 +397,6 @@ class AttentionStore:
         self.kept: list = []  # [(out handle, lse handle, their memory orders)] in call order
         self.runs = 0  # runs of the body: the first is the forward, later ones are recomputes
         self.i = 0  # attention calls so far in the current run
-        self.on_replay = None  # called at the start of each recompute (the wrapper starts copies)
 
     @property
     def replaying(self) -> bool:
@@ -408,8 +407,6 @@ class AttentionStore:
         global _ACTIVE
         self.runs += 1
         self.i = 0
-        if self.replaying and self.on_replay is not None:
-            self.on_replay()
         prev, _ACTIVE = _ACTIVE, self
         try:
             return body(*args, **kwargs)

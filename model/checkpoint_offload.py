@@ -1,12 +1,13 @@
-"""Checkpoint with offload: each decoder layer keeps only its input, in host memory.
+"""Checkpoint with offload: each decoder layer keeps only its input, in host memory or on the GPU.
 
 To use it elsewhere: copy this file and model/host_pool.py; they need torch only. README's "Use a
 piece in your own code" applies offload_layers to transformers' Qwen3ForCausalLM.
 
     pool = apply_offload(model, tile_mlp=8192)    # every model.model.layers[i], in place
     offload_layers(hf_model.model.layers, pool)   # or any list of decoder layers, any pool
+    offload_layers(layers, pool, placements=[LayerPlacement("device", "host"), ...])  # per layer
     for kind in offloaded_tensors(config, T, sp=8, dtype=torch.bfloat16):  # before step 1
-        pool.reserve(kind.count, kind.shape, kind.dtype, "cuda")           # all host blocks
+        pool.reserve(kind.count, kind.shape, kind.dtype, "cuda")           # (placements=...)
     loss.backward(); opt.step()
     log(pool.reset_step())                        # bytes moved each way this step, pool size
     remove_offload(model)                         # the layers' own forwards again
@@ -73,9 +74,22 @@ after it (in forward order) begins its recompute. The last layer keeps its input
 on the device (backward starts with it, so a copy there would stall), and its recompute starts
 the copies back of the layer before it.
 
+Placement per layer (LayerPlacement, one per layer in placements=): the input on the "host" or
+the "device" (checkpointed, not moved: the pool's hooks are not installed around it), attention
+on the "host", the "device" (the store keeps the kernel's own tensors) or "recompute" (no store).
+default_placements is the paragraph above: every input on the host, with save_attention every
+attention too but the last layer's two on the device. Any mix gives the same gradients; what
+goes to the host is one group in the pool, so a layer's copies back start while the nearest
+layer after it that has a group recomputes, and a layer with nothing on the host starts, as its
+recompute begins, the copies back of the nearest layer before it that has. offloaded_tensors
+counts the host tensors of a placement list, for reserve.
+
 Device memory in backward: the recomputed layer's activations, its input, and the next layer's
 input (with attention once, also its out and lse) being prefetched: one layer's kept tensors
-more than plain checkpointing holds at that moment, and none of the other layers'.
+more than plain checkpointing holds at that moment, and none of the other layers' host ones
+(those a placement keeps on the device stay there, as plain checkpointing's do). Between two
+layers with host tensors, the lower one's come back as the upper one recomputes, so they are
+held through the recomputes of the device-only layers between them.
 
 Not covered: torch.compile of wrapped layers, CUDA graphs, layers that draw random numbers
 (pass preserve_rng_state=True). With a frozen embedding, layer 0's input needs no grad and so
@@ -84,6 +98,7 @@ stays on the device.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import types
@@ -98,8 +113,10 @@ if TYPE_CHECKING:
     from model.host_pool import HostPool
 
 __all__ = [
+    "LayerPlacement",
     "OffloadedTensor",
     "apply_offload",
+    "default_placements",
     "offload_layer",
     "offload_layers",
     "offloaded_tensors",
@@ -133,28 +150,75 @@ def _keep_on_host(pool: HostPool, t: torch.Tensor):
 
 class _Runs:
     """One layer call's body: its first run is the forward, later runs are checkpoint's recomputes,
-    which run inside `recompute_context` (a tiled MLP's output_unused)."""
+    which first call `on_recompute` (the pool's prefetcher) and run inside `recompute_context` (a
+    tiled MLP's output_unused); either may be None."""
 
-    def __init__(self, body, recompute_context):
-        self.body, self.recompute_context, self.runs = body, recompute_context, 0
+    def __init__(self, body, recompute_context=None, on_recompute=None):
+        self.body, self.recompute_context, self.on_recompute = body, recompute_context, on_recompute
+        self.runs = 0
 
     def __call__(self, *args, **kwargs):
         self.runs += 1
         if self.runs == 1:
             return self.body(*args, **kwargs)
-        with self.recompute_context():
+        if self.on_recompute is not None:
+            self.on_recompute()
+        with self.recompute_context() if self.recompute_context else contextlib.nullcontext():
             return self.body(*args, **kwargs)
 
 
-class _OffloadedForward:
-    """Installed as `layer.forward`: checkpoint the original forward, offloading its inputs.
+PLACES = {"input": ("host", "device"), "attention": ("host", "device", "recompute")}
 
-    save_attention: the body runs through an AttentionStore (model/attention.py), so attention's
-    (out, lse) are kept from the forward (on the host, through the pool, when offloading) and the
-    recompute skips attention's forward. last: the last layer keeps everything on the device
-    (backward starts with it, so a copy there would stall), and its recompute starts the copy
-    back of the layer before it. tiled_mlp: offload_layer tiled the layer's MLP (its recompute
-    skips the tile loop), and remove_offload undoes it.
+
+@dataclass(frozen=True)
+class LayerPlacement:
+    """Where one decoder layer keeps what its backward needs: its saved input on the "host" (in
+    the pool) or the "device" (checkpointed, not moved); attention's (out, lse) on the "host",
+    the "device" (attention once either way), or "recompute" (not kept: the recompute runs
+    attention's forward again)."""
+
+    input: str = "host"
+    attention: str = "recompute"
+
+    def __post_init__(self):
+        for field, allowed in PLACES.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(
+                    f"LayerPlacement.{field} must be one of {allowed}, got {getattr(self, field)!r}"
+                )
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the layer puts anything in the pool."""
+        return "host" in (self.input, self.attention)
+
+
+def default_placements(
+    num_layers: int, *, save_attention: bool = False, offload: bool = True
+) -> list[LayerPlacement]:
+    """The placement offload_layers and apply_offload use unless given one: every input on the
+    host; with save_attention every attention there too, but the last layer keeps both on the
+    device (backward starts with it, so a copy there would stall). offload=False: plain
+    checkpointing, everything on the device."""
+    where = "host" if offload else "device"
+    kept = where if save_attention else "recompute"
+    out = [LayerPlacement(where, kept) for _ in range(num_layers)]
+    if save_attention and num_layers:
+        out[-1] = LayerPlacement("device", "device")
+    return out
+
+
+class _OffloadedForward:
+    """Installed as `layer.forward`: checkpoint the original forward, keeping what `placement`
+    says where it says.
+
+    input "host": checkpoint's saved inputs go through the pool's hooks; "device": they stay
+    where they are. attention kept ("host" or "device"): the body runs through an AttentionStore
+    (model/attention.py), so attention's (out, lse) are kept from the forward (through the pool
+    on the host) and the recompute skips attention's forward. A layer with nothing in the pool
+    has its recompute start the copies back of the nearest layer before it that has (the pool's
+    prefetcher). tiled_mlp: offload_layer tiled the layer's MLP (its recompute skips the tile
+    loop), and remove_offload undoes it.
     """
 
     def __init__(
@@ -162,16 +226,15 @@ class _OffloadedForward:
         layer: nn.Module,
         pool: HostPool | None,
         preserve_rng_state: bool,
-        save_attention: bool = False,
-        last: bool = False,
+        placement: LayerPlacement,
         tiled_mlp: bool = False,
     ):
         self.own = layer.__dict__.get("forward")  # an instance forward we wrap, to restore later
         self.body = self.own or types.MethodType(type(layer).forward, layer)
         self.pool, self.preserve_rng_state = pool, preserve_rng_state
-        self.last, self.tiled_mlp = last, tiled_mlp
+        self.placement, self.tiled_mlp = placement, tiled_mlp
         self.new_store = self.recompute_context = None
-        if save_attention:  # our attention kernel's store (model/attention.py)
+        if placement.attention != "recompute":  # our attention kernel's store (model/attention.py)
             from model.attention import AttentionStore
 
             self.new_store = AttentionStore
@@ -184,23 +247,22 @@ class _OffloadedForward:
         if not torch.is_grad_enabled():
             return self.body(*args, **kwargs)  # nothing is saved without grad, a cache works
         kwargs = without_cache(kwargs)
-        pool, body = self.pool, self.body
+        pool, place, body = self.pool, self.placement, self.body
         if self.new_store is not None:
             store = self.new_store()
-            if pool is not None and self.last:  # inputs and attention stay here
-                store.on_replay = pool.prefetcher()  # the layer before's input, when recomputed
-                pool = None
-            elif pool is not None:
+            if place.attention == "host":
                 store.keep, store.fetch = functools.partial(_keep_on_host, pool), pool.unpack
             body = functools.partial(store.run, body)
-        if self.recompute_context is not None:
-            body = _Runs(body, self.recompute_context)
-        if pool is None:
+        # nothing of this layer's in the pool: its recompute starts the nearest earlier one's
+        prefetch = pool.prefetcher() if pool is not None and not place.on_host else None
+        if self.recompute_context is not None or prefetch is not None:
+            body = _Runs(body, self.recompute_context, prefetch)
+        if prefetch is not None or pool is None:
             return _checkpoint(body, args, kwargs, self.preserve_rng_state)
-        with pool.layer() as moved:
+        with pool.layer(saved=place.input == "host") as moved:
             out = _checkpoint(body, args, kwargs, self.preserve_rng_state)
         expected = sum(pool.should_move(a) for a in (*args, *kwargs.values()))
-        if len(moved) < expected:
+        if place.input == "host" and len(moved) < expected:
             raise RuntimeError(
                 "offload: torch.utils.checkpoint did not save the layer inputs through the outer "
                 "saved-tensor hooks, so nothing was offloaded; this torch version "
@@ -240,13 +302,21 @@ def offload_layer(
     tile_mlp: int | None = None,
     preserve_rng_state: bool = False,
     save_attention: bool = False,
-    last: bool = False,
+    placement: LayerPlacement | None = None,
 ) -> None:
-    """Checkpoint `layer` (in place), offloading its inputs to `pool`; pool=None: plain checkpoint.
+    """Checkpoint `layer` (in place), keeping its input and attention where `placement` says.
 
+    placement: default: the input on the host, attention kept there with save_attention
+        (recomputed without); pool=None: plain checkpointing, nothing may go to the host.
     preserve_rng_state=False: Qwen3 layers draw no random numbers, so replaying the RNG is waste.
-    save_attention, last: see _OffloadedForward.
     """
+    if placement is None:
+        where = "device" if pool is None else "host"
+        placement = LayerPlacement(where, where if save_attention else "recompute")
+    elif save_attention:
+        raise ValueError("offload_layer: give save_attention or placement, not both")
+    if pool is None and placement.on_host:
+        raise ValueError(f"offload_layer: {placement} puts tensors on the host, but pool is None")
     if isinstance(layer.__dict__.get("forward"), _OffloadedForward):
         raise RuntimeError(
             f"{type(layer).__name__} is already wrapped by offload_layer; call remove_offload first"
@@ -260,7 +330,7 @@ def offload_layer(
 
         set_mlp_tiling(layer.mlp, tile_mlp)
     layer.forward = _OffloadedForward(
-        layer, pool, preserve_rng_state, save_attention, last, tiled_mlp=tile_mlp is not None
+        layer, pool, preserve_rng_state, placement, tiled_mlp=tile_mlp is not None
     )
 
 
@@ -271,19 +341,31 @@ def offload_layers(
     tile_mlp: int | None = None,
     preserve_rng_state: bool = False,
     save_attention: bool = False,
+    placements: list[LayerPlacement] | None = None,
 ) -> None:
     """Checkpoint each of `layers` (any sequence of decoder layers, in forward order) in place,
-    offloading their inputs to `pool` (None: plain checkpointing). save_attention: also keep each
-    layer's attention (out, lse), on the host but for the last layer's (see _OffloadedForward)."""
+    keeping each one's input and attention where its LayerPlacement in `placements` says (pool
+    None: plain checkpointing, everything on the device). Default: default_placements, i.e.
+    every input on the host; save_attention: also each layer's attention (out, lse), on the host
+    but for the last layer's, which keeps both on the device."""
     layers = list(layers)
-    for i, layer in enumerate(layers):
+    if placements is None:
+        placements = default_placements(
+            len(layers), save_attention=save_attention, offload=pool is not None
+        )
+    elif save_attention:
+        raise ValueError("offload_layers: give save_attention or placements, not both")
+    if len(placements) != len(layers):
+        raise ValueError(
+            f"offload_layers: {len(placements)} placements for {len(layers)} layers (one each)"
+        )
+    for layer, placement in zip(layers, placements, strict=True):
         offload_layer(
             layer,
             pool,
             tile_mlp=tile_mlp,
             preserve_rng_state=preserve_rng_state,
-            save_attention=save_attention,
-            last=save_attention and i == len(layers) - 1,
+            placement=placement,
         )
 
 
@@ -312,6 +394,7 @@ def apply_offload(
     pool: HostPool | None = None,
     preserve_rng_state: bool = False,
     save_attention: bool = False,
+    placements: list[LayerPlacement] | None = None,
 ) -> HostPool:
     """Checkpoint every decoder layer of `model` in place, keeping only its input, on the host.
 
@@ -322,7 +405,8 @@ def apply_offload(
     tile_mlp: run each MLP in tiles of this many tokens. Returns the pool, for its counters.
     save_attention: also keep each layer's attention output and log-sum-exp (on the host when
         offloading), so backward does not run attention's forward again; the last layer then
-        keeps its input and attention on the device (see _OffloadedForward).
+        keeps its input and attention on the device (default_placements).
+    placements: instead, one LayerPlacement per layer (see offload_layers).
     Works before or after FSDP2's fully_shard on the same layers; undo with remove_offload.
     """
     if pool is None:
@@ -337,6 +421,7 @@ def apply_offload(
         tile_mlp=tile_mlp,
         preserve_rng_state=preserve_rng_state,
         save_attention=save_attention,
+        placements=placements,
     )
     return pool
 
@@ -356,28 +441,43 @@ class OffloadedTensor:
 
 
 def offloaded_tensors(
-    config, seq_len: int, sp: int = 1, *, dtype: torch.dtype, save_attention: bool = False
+    config,
+    seq_len: int,
+    sp: int = 1,
+    *,
+    dtype: torch.dtype,
+    save_attention: bool = False,
+    placements: list[LayerPlacement] | None = None,
 ) -> list[OffloadedTensor]:
     """What apply_offload's pool takes off one rank's device in a training step: the layer input
-    first, then with save_attention attention's out and lse.
+    first, then, when any layer keeps its attention, attention's out and lse.
 
     config: num_hidden_layers, hidden_size, num_attention_heads, head_dim (ours or transformers').
     The row of seq_len tokens, padded to a multiple of sp, is split over sp ranks: a layer input
     is [1, T/sp, hidden] in `dtype`. Inside attention a rank holds every token for heads/sp heads:
-    out [1, T, heads/sp, head_dim] in `dtype`, and the kernel's lse [1, heads/sp, T] in fp32. With
-    save_attention the last layer keeps its three on the device (backward starts there), so L-1
-    layers' go to the pool; without it, every layer's input. Kinds under the pool's min_bytes stay
-    on the device (HostPool.reserve skips them).
+    out [1, T, heads/sp, head_dim] in `dtype`, and the kernel's lse [1, heads/sp, T] in fp32.
+    Each kind's count is the layers whose placement puts it on the host (placements, default
+    default_placements(L, save_attention=...): with save_attention L-1 layers' three, as the last
+    layer keeps its own on the device; without it, every layer's input). Kinds under the pool's
+    min_bytes stay on the device (HostPool.reserve skips them).
     """
+    layers = config.num_hidden_layers
+    if placements is None:
+        placements = default_placements(layers, save_attention=save_attention)
+    elif save_attention:
+        raise ValueError("offloaded_tensors: give save_attention or placements, not both")
+    if len(placements) != layers:
+        raise ValueError(f"offloaded_tensors: {len(placements)} placements for {layers} layers")
     tokens_per_rank = -(-seq_len // sp)
     padded_row = tokens_per_rank * sp
     heads = config.num_attention_heads // sp
-    layers = config.num_hidden_layers - (1 if save_attention else 0)
-    kinds = [OffloadedTensor(layers, (1, tokens_per_rank, config.hidden_size), dtype)]
-    if save_attention:
+    inputs = sum(p.input == "host" for p in placements)
+    kinds = [OffloadedTensor(inputs, (1, tokens_per_rank, config.hidden_size), dtype)]
+    if any(p.attention != "recompute" for p in placements):
+        kept = sum(p.attention == "host" for p in placements)
         out = (1, padded_row, heads, config.head_dim)
-        kinds.append(OffloadedTensor(layers, out, dtype))
-        kinds.append(OffloadedTensor(layers, (1, heads, padded_row), torch.float32))
+        kinds.append(OffloadedTensor(kept, out, dtype))
+        kinds.append(OffloadedTensor(kept, (1, heads, padded_row), torch.float32))
     return kinds
 
 

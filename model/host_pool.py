@@ -27,8 +27,11 @@ body kept: attention's out and lse), in the order backward will ask for them: ea
 goes to the front, since backward meets layers last to first. When backward unpacks a tensor of
 one group, the copies back of the rest of that group and of the whole next group start together,
 so a layer's three tensors come back while the layer after it (in forward order) recomputes, and
-none waits for the one before it. The groups hold weak references: a tensor whose graph died
-(after its backward, or a graph dropped without one) gives its blocks back and falls out.
+none waits for the one before it. A layer that moves nothing has no group: the next group is
+then the nearest layer before it that moved something, and prefetcher() lets the recompute of a
+layer with nothing in the pool start that group's copies back. The groups hold weak references:
+a tensor whose graph died (after its backward, or a graph dropped without one) gives its blocks
+back and falls out.
 
 Host memory layout: fixed-size blocks, keyed by block size, shared by all tensors and steps. A
 tensor of n bytes takes ceil(n / b) blocks of b = host_block_bytes(n) (a power of two near n/64,
@@ -307,16 +310,23 @@ class HostPool:
         )
 
     @contextlib.contextmanager
-    def layer(self):
+    def layer(self, saved: bool = True):
         """Saved-tensor hooks for one layer call; what it packs joins the front of backward order.
 
         Yields the list that collects what this call moves (its length: how many tensors moved).
         At the end the compute stream waits for the call's D2H copies and the pool lets go of
-        the device tensors.
+        the device tensors. saved=False: no hooks, so what autograd saves stays where it is (a
+        layer input kept on the device); only what the call packs itself (attention's out and
+        lse) is moved, as one group.
         """
         outer, self._group = self._group, []
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            if saved
+            else contextlib.nullcontext()
+        )
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            with hooks:
                 yield self._group
         finally:
             group, self._group = self._group, outer
@@ -376,9 +386,10 @@ class HostPool:
     def prefetcher(self) -> Callable[[], None]:
         """A function that starts fetching what backward needs first as the pool stands now.
 
-        For a layer that keeps its own tensors on the device and is recomputed just before the
-        pool's newest group (the last layer under attention once): its recompute calls this, so
-        the layer before it finds its tensors on the way. Holds them weakly.
+        For a layer that keeps nothing in the pool (its input and attention on the device, or
+        attention recomputed), called in its forward: nothing of its own starts the copies back
+        when it is recomputed, so its recompute calls this, and the nearest layer before it with
+        tensors in the pool finds them on the way. Holds them weakly.
         """
         group = self._order[0] if self._order else []
         return functools.partial(self._prefetch_group, group)

@@ -3,7 +3,9 @@
 The references: F.scaled_dot_product_attention (torch's own kernel choice) for the attention core,
 the recompute path (save_attention=False: the layer's forward run twice, as before) and one
 unsharded process for the gradients, and aten's attention ops, counted under a dispatch mode,
-for "once".
+for "once". Per-layer placement (LayerPlacement: each layer's input and attention on the host,
+the device, or attention recomputed) is held to the plain model's gradients, the pool's counters
+to what the placement puts on the host, and the kernel count to the layers that keep attention.
 """
 
 import copy
@@ -33,9 +35,14 @@ from model.attention_probe import (
     probe_kernel,
     training_layout,
 )
-from model.checkpoint_offload import apply_offload
+from model.checkpoint_offload import (
+    LayerPlacement,
+    apply_offload,
+    default_placements,
+    offloaded_tensors,
+)
 from model.config import Qwen3Config
-from model.host_pool import host_block_bytes
+from model.host_pool import HostPool, host_block_bytes
 from model.qwen3 import Qwen3
 
 CFG = replace(Qwen3Config.preset("tiny"), num_hidden_layers=4)  # 4 query heads on 2 kv heads
@@ -463,6 +470,84 @@ def test_ten_steps_hold_no_more():
     kept = (CFG.num_hidden_layers - 1) * (X + OUT + LSE)
     assert set(seen) == {(kept, blocks, 0, 0)}, seen
     assert live[0] == live[1]  # no tensor or store accumulates from step 2 to step 10
+
+
+# ---- per-layer placement: "input/attention" for each of the 4 layers, forward order
+def _places(*names) -> list[LayerPlacement]:
+    return [LayerPlacement(*name.split("/")) for name in names]
+
+
+PLACEMENTS = {
+    "mixed": _places("host/host", "device/device", "host/recompute", "device/host"),
+    "all-device": _places(*["device/device"] * 4),
+    "all-recompute": _places(*["host/recompute"] * 4),
+    "device-recompute": _places(*["device/recompute"] * 4),
+    "inputs-on-device": _places("device/host", "device/recompute", "device/host", "device/device"),
+    "host-last": _places("device/recompute", "host/host", "device/device", "host/host"),
+}
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_any_placement_gives_the_plain_gradients_and_moves_what_it_says(name):
+    places, L = PLACEMENTS[name], CFG.num_hidden_layers
+    ref, ids = _model(), _ids(7)
+    loss0, g0, _ = _step(ref, ids)  # no checkpointing at all
+    m = copy.deepcopy(ref)
+    pool = apply_offload(m, min_bytes=0, placements=places)
+    for _ in range(2):  # step 2 reuses step 1's blocks
+        loss, g, counts = _step(m, ids)
+        s = pool.reset_step()
+    recomputed = sum(p.attention == "recompute" for p in places)
+    assert counts == [(L + recomputed, L)]  # attention's forward once where kept, else twice
+    assert abs(loss - loss0) <= 1e-6 * abs(loss0)
+    assert _max_rel(g, g0) <= 1e-6
+    inputs = sum(p.input == "host" for p in places)
+    kept = sum(p.attention == "host" for p in places)
+    moved, copies = inputs * X + kept * (OUT + LSE), inputs + 2 * kept
+    assert (s.d2h_bytes, s.h2d_bytes, s.pool_bytes) == (moved, moved, moved)
+    assert s.d2h_copies == s.h2d_copies == copies
+    # every copy back starts before backward asks for it, but the very first one when the last
+    # layer has tensors on the host (backward starts there): device-only layers between two that
+    # have start the lower one's copies back as they recompute
+    assert s.prefetched == copies - places[-1].on_host
+    assert s.host_allocs == 0 and s.in_use_buffers == 0
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_offloaded_tensors_are_what_a_placement_moves(name):
+    places = PLACEMENTS[name]
+    m, ids = _model(), _ids(8, batch=1)  # offloaded_tensors' shapes are one row's
+    pool = HostPool(min_bytes=0)
+    kinds = offloaded_tensors(CFG, T, dtype=torch.float32, placements=places)
+    for kind in kinds:
+        pool.reserve(kind.count, kind.shape, kind.dtype, "cpu")
+    apply_offload(m, pool=pool, placements=places)
+    _loss(m, ids).backward()
+    s = pool.reset_step()
+    reserved = sum(kind.count * kind.nbytes for kind in kinds)
+    assert s.host_allocs == 0  # every block the step took was reserved
+    assert s.d2h_bytes == s.pool_bytes == reserved  # and every reserved one was taken
+    assert len(kinds) == (1 if all(p.attention == "recompute" for p in places) else 3)
+
+
+def test_default_placements_are_the_keyword_arguments():
+    L = CFG.num_hidden_layers
+    host, device = LayerPlacement("host", "host"), LayerPlacement("device", "device")
+    assert default_placements(L, save_attention=True) == [host] * (L - 1) + [device]
+    assert default_placements(L) == _places(*["host/recompute"] * L)
+    assert default_placements(L, save_attention=True, offload=False) == [device] * L
+    for save in (False, True):
+        old = offloaded_tensors(CFG, T, dtype=torch.float32, save_attention=save)
+        placed = default_placements(L, save_attention=save)
+        assert offloaded_tensors(CFG, T, dtype=torch.float32, placements=placed) == old
+    with pytest.raises(ValueError, match="LayerPlacement.attention must be one of"):
+        LayerPlacement("host", "cpu")
+    with pytest.raises(ValueError, match="3 placements for 4 layers"):
+        apply_offload(_model(), placements=[host] * 3)
+    with pytest.raises(ValueError, match="not both"):
+        apply_offload(_model(), save_attention=True, placements=[host] * L)
+    with pytest.raises(ValueError, match="puts tensors on the host, but pool is None"):
+        apply_offload(_model(), offload=False, placements=[host] * L)
 
 
 # ---- Ulysses sp=2 with kv repeat, FSDP2, tiled MLP, grad accumulation: 2 gloo processes
