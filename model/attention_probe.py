@@ -1,7 +1,7 @@
 """An attention kernel checked by running it: one forward and backward in the training layout,
 its last rows against an fp32 reference.
 
-    choice = choose_kernel("cuda", torch.bfloat16, config, seq_len=1_048_576, sp=8)  # the rule
+    choice = choose_kernel("cuda", torch.bfloat16, config, 1_048_576, 8, probe=probe_kernel)
     choice.name, choice.why                            # "cudnn", or "flash" and why cuDNN was not
     reason = probe_kernel("cudnn", "cuda", torch.bfloat16, 4, 1, 128, tokens=1_048_576)  # None: ok
     q, k, v, dout = training_layout(532_480, 32, 8, 128, torch.bfloat16, "cuda")
@@ -165,11 +165,10 @@ def choose_kernel(
     device, dtype, config, seq_len: int, sp: int, *, request: str = "auto", probe=None, **pick
 ) -> BackendChoice:
     """The attention kernel for a run of seq_len-token rows at sp, each candidate probed once at
-    this rank's training shape (rank_attention_shape). probe: pick_backend's probe (default:
-    probe_kernel on CUDA, none on CPU, whose kernels are torch's reference); pick: other
-    pick_backend keywords. Raises ValueError (one line) when nothing can run."""
+    this rank's training shape (rank_attention_shape). probe: pick_backend's probe (train.py
+    passes probe_kernel on CUDA, none on CPU, whose kernels are torch's reference: run/build.py's
+    kernel_probe); pick: other pick_backend keywords. Raises ValueError (one line) when nothing
+    can run."""
     device = torch.device(device)
-    if probe is None and device.type == "cuda":
-        probe = probe_kernel
     shape = rank_attention_shape(config, seq_len, sp)
     return pick_backend(device, dtype, **shape, request=request, probe=probe, **pick)

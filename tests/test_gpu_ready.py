@@ -38,10 +38,15 @@ print("at torch import:", seen[0])
 
 def torch_import_setting(env: dict) -> str:
     keep = {k: v for k, v in os.environ.items() if "ALLOC_CONF" not in k}
+    return last_line(WATCH_TORCH_IMPORT, {**keep, "WORLD_SIZE": "2", **env})  # 4 heads over 2
+
+
+def last_line(script: str, env: dict) -> str:
+    """The last line `python -c script` prints in the repository root, with `env`."""
     p = subprocess.run(
-        [sys.executable, "-c", WATCH_TORCH_IMPORT],
+        [sys.executable, "-c", script],
         cwd=ROOT,
-        env={**keep, "WORLD_SIZE": "2", **env},  # the demo splits its 4 heads over 2
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -110,16 +115,7 @@ print([g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for 
 
 def test_every_process_group_waits_as_long_as_the_world_group():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    p = subprocess.run(
-        [sys.executable, "-c", GROUP_TIMEOUTS],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 0, p.stderr[-3000:]
-    world, *others = eval(p.stdout.strip().splitlines()[-1])
+    world, *others = eval(last_line(GROUP_TIMEOUTS, env))
     assert world == GROUP_TIMEOUT.total_seconds() == 3600
     assert others == [world] * 4
 
