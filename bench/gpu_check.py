@@ -402,7 +402,7 @@ def project(res: dict, g: Geometry, nvlink_gbps: float, peak_tflops: float, esiz
     out["fsdp_collectives_s"] = fsdp_bytes / (nvlink_gbps * GB)  # overlapped: not added
     ws = lay["working_set"]
     if ws["measured_gb"] is not None:  # the planner's peak, its working set and loss measured
-        kept = p.loss.working.get(Buffer.LAST_LAYER_KEPT, 0)
+        kept = p.device_kept  # the saved tensors every layer keeps on the device
         fix = (ws["measured_gb"] - ws["planned_gb"]) * GB
         layer_phase = p.layer.bytes + fix
         loss_phase = p.loss.gathered_bytes + loss["loss_peak_rise_gb"] * GB + kept

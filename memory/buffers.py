@@ -36,7 +36,9 @@ class Buffer(str, Enum):
     MLP_INPUT = "MLP input (normed h)"
     MLP_INTERMEDIATES = "MLP gate, up, act, product"
     # around a layer's backward
-    LAYER_INPUT = "layer input, copied back from host"
+    LAYER_INPUT = "layer input (copied back from the host, or kept)"
+    KEPT_INPUTS = "layer inputs kept on the device (layers not yet in backward)"
+    KEPT_ATTENTION = "attention out and lse kept on the device (layers not yet in backward)"
     NEXT_INPUT = "next layer's input, prefetched from host"
     NEXT_ATTENTION = "next layer's attention out and lse, prefetched with its input"
     ROPE = "RoPE cos and sin (shared by all layers)"
@@ -75,7 +77,6 @@ class Buffer(str, Enum):
     LOSS_CHUNK = "one chunk: fp32 logits and log-probabilities, bf16 p (+ CPU bf16 temporaries)"
     LM_HEAD_GRAD = "lm_head gradient in the weight's dtype"
     HIDDEN_GRAD_SCALED = "hidden gradient and its scaled copy"
-    LAST_LAYER_KEPT = "last layer's input, attention out and lse (attention once, on the device)"
     # a forward alone (evaluation: no autograd graph, nothing saved)
     ROW_SLICE = "the row's slice: input ids, labels, positions (int64)"
     FORWARD_INPUT = "layer input (the residual stream)"
@@ -194,7 +195,7 @@ def layer_backward_moments(
     K = t * max(c.num_key_value_heads, sp) * hd * b
     Kl = t * c.num_key_value_heads * hd * b  # k or v before any repeat, [t, nkv, hd]
     saved = layer_saved_bytes(c, t, sp, fused_norm=fused_norm, tiled_mlp=tiled_mlp, compute_bytes=b)
-    io = {  # without offload the layer input is on the GPU already, among the held saved inputs
+    io = {  # offload=False: the input is among the kept ones (memory/plan.py counts it so)
         Buffer.LAYER_INPUT: X if offload else 0,
         Buffer.NEXT_INPUT: X if offload else 0,
         Buffer.ROPE: 2 * t * hd * b,

@@ -16,6 +16,7 @@ parameter and gradient shard is one pinned host buffer, rounded up to a power of
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ class FsdpUnits:
     all_shards: int  # bytes of one rank's fp32 shards of every parameter
 
 
+@functools.cache  # the layout chooser plans one model hundreds of times
 def fsdp_units(c: Qwen3Config, world: int, master_bytes: int) -> FsdpUnits:
     """FSDP2's units of config `c` on the rank holding the largest shards of `world` ranks, with
     fp32 shards of `master_bytes` per element."""

@@ -55,6 +55,7 @@ size is arithmetic on the config. GB here means 1e9 bytes, GiB 2**30.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,7 +75,11 @@ from memory.model_size import (
     shard_numel,
     step_flops,
 )
-from model.checkpoint_offload import OffloadedTensor, offloaded_tensors
+from model.checkpoint_offload import (
+    LayerPlacement,
+    default_placements,
+    offloaded_tensors,
+)
 from model.config import Qwen3Config
 from model.host_pool import host_bytes_for
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
@@ -118,6 +123,9 @@ class Options:
     offload_min_bytes: int = 0  # smaller tensors stay on the device (the pool's min_bytes)
     save_attention: bool = False  # attention once (see the module docstring)
     save_attention_why: str = "given"  # how it was decided: a flag, or choose_save_attention's
+    # one LayerPlacement per decoder layer (model/checkpoint_offload.py); None: default_placements
+    # from offload and save_attention. Given, it decides both (plan() sets them from it).
+    placements: tuple[LayerPlacement, ...] | None = None
     tiled_mlp: bool = True
     mlp_tile: int | None = 8192  # rows per MLP tile; 0 or None: untiled
     loss_chunk: int = 256
@@ -178,16 +186,16 @@ class ShardedState:
 
 @dataclass(frozen=True)
 class Held:
-    """What one GPU holds from the step's start to its end."""
+    """What one GPU holds from the step's start to its end (the layers' saved tensors kept on the
+    device are not among them: each is freed by its layer's backward, so the moments count them,
+    as Buffer.KEPT_INPUTS and Buffer.KEPT_ATTENTION)."""
 
     param_shards: int  # fp32; 0 with CPU offload
     adamw_states: int  # 0 with CPU offload
-    saved_inputs: int  # the layer inputs kept on the GPU (without offload)
-    saved_attention: int  # L-1 layers' attention out and lse kept on the GPU (attention once)
 
     @property
     def bytes(self) -> int:
-        return self.param_shards + self.adamw_states + self.saved_inputs + self.saved_attention
+        return self.param_shards + self.adamw_states
 
 
 @dataclass(frozen=True)
@@ -274,6 +282,9 @@ class Plan:
     cpu_offload_cost: CpuOffloadCost
     flops: Flops
     eval_moments: tuple[Moment, ...]  # an evaluation's (a forward alone), in the order they come
+    # where each decoder layer keeps its input and attention, layer 0 first: options.placements,
+    # or default_placements from options.offload and options.save_attention
+    placements: tuple[LayerPlacement, ...]
 
     @property
     def peak(self) -> Moment:
@@ -320,6 +331,17 @@ class Plan:
         """An evaluation's peak: the fp32 state (nothing saved from a forward) + its largest
         moment."""
         return self.held.param_shards + self.held.adamw_states + self.eval_peak.bytes
+
+    @property
+    def recomputed_layers(self) -> int:
+        """Layers whose recompute runs attention's forward again (their attention not kept)."""
+        return sum(p.attention == "recompute" for p in self.placements)
+
+    @property
+    def device_kept(self) -> int:
+        """Bytes of saved tensors every layer keeps on the device, at the loss (the most)."""
+        w = self.loss.working
+        return w.get(Buffer.KEPT_INPUTS, 0) + w.get(Buffer.KEPT_ATTENTION, 0)
 
     @property
     def tokens_per_gpu(self) -> int:
@@ -370,6 +392,19 @@ class Plan:
         return self.fits_gpu and self.fits_host
 
 
+def describe_placements(placements) -> str:
+    """Where a placement list keeps the layers' inputs and attention, in counts: "inputs 35 host,
+    1 device; attention 35 host, 1 device" (or "... 36 recomputed")."""
+
+    def counts(places: list[str]) -> str:
+        words = {"host": "host", "device": "device", "recompute": "recomputed"}
+        return ", ".join(f"{places.count(w)} {word}" for w, word in words.items() if w in places)
+
+    inputs = counts([p.input for p in placements])
+    attention = counts([p.attention for p in placements])
+    return f"inputs {inputs}; attention {attention}"
+
+
 def check_layout(
     config: Qwen3Config,
     seq_len: int,
@@ -412,32 +447,66 @@ def check_layout(
 
 
 @dataclass(frozen=True)
-class _PerLayer:
-    """A layer's tensors the offload pool may move, per GPU, and whether it moves them; kinds:
-    model/checkpoint_offload.py's offloaded_tensors, their shapes and how many layers move them."""
+class _Kept:
+    """What one decoder layer keeps from its forward for its backward, per GPU, by where it waits:
+    its input [t, H] and, with its attention kept, out [T, nh/sp, hd] and lse [nh/sp, T]. A
+    tensor its placement puts on the host stays on the device when the pool does not take it
+    (under offload_min_bytes)."""
 
-    kinds: tuple[OffloadedTensor, ...]
-    input: int  # [t, H] in the compute dtype
-    attn_out: int  # [T, nh/sp, hd] in the compute dtype, kept with attention once (else 0)
-    attn_lse: int  # [nh/sp, T] fp32, kept with attention once (else 0)
-    input_moved: bool
-    out_moved: bool
-    lse_moved: bool
+    device_input: int
+    device_attention: int
+    host_input: int  # in the pool: copied out in forward, back one layer ahead in backward
+    host_attention: int
+    in_pool: bool  # the placement puts something on the host: the pool keeps a group for it
 
 
 def _pool_takes(o: Options, n: int) -> bool:
     """Whether the pool moves a tensor of n bytes: it takes those of offload_min_bytes or more."""
-    return o.offload and n >= o.offload_min_bytes
+    return n >= o.offload_min_bytes
 
 
-def _per_layer(c: Qwen3Config, seq_len: int, sp: int, o: Options) -> _PerLayer:
+def _layer_tensors(c: Qwen3Config, seq_len: int, sp: int, o: Options) -> tuple[int, int, int]:
+    """Bytes per GPU of a layer's input, attention out and lse (offloaded_tensors' shapes)."""
     dtype = DTYPE_OF_BYTES[o.compute_bytes]
-    kinds = offloaded_tensors(c, seq_len, sp, dtype=dtype, save_attention=o.save_attention)
-    first, *attention = kinds
-    x = first.nbytes
-    out, lse = (kind.nbytes for kind in attention) if attention else (0, 0)
-    moved = [_pool_takes(o, n) for n in (x, out, lse)]
-    return _PerLayer(tuple(kinds), x, out, lse, *moved)
+    every = [LayerPlacement("host", "host")] * c.num_hidden_layers
+    x, out, lse = offloaded_tensors(c, seq_len, sp, dtype=dtype, placements=every)
+    return x.nbytes, out.nbytes, lse.nbytes
+
+
+def _kept(c: Qwen3Config, seq_len: int, sp: int, o: Options, placements) -> tuple[_Kept, ...]:
+    """Each layer's _Kept under its placement, layer 0 first."""
+    x, out, lse = _layer_tensors(c, seq_len, sp, o)
+    kept = []
+    for p in placements:
+        attention = [] if p.attention == "recompute" else [out, lse]
+        host_input = x if p.input == "host" and _pool_takes(o, x) else 0
+        moved = [n for n in attention if p.attention == "host" and _pool_takes(o, n)]
+        kept.append(
+            _Kept(
+                device_input=x - host_input,
+                device_attention=sum(attention) - sum(moved),
+                host_input=host_input,
+                host_attention=sum(moved),
+                in_pool=p.on_host,
+            )
+        )
+    return tuple(kept)
+
+
+def _backward_layers(kept: tuple[_Kept, ...]) -> list[int]:
+    """The layers whose backward moments can be the largest, in backward order (L-1 first).
+
+    Within a run of layers that keep alike, going down one layer adds one gradient shard and
+    frees one layer's kept tensors, and the prefetched group is the same layer's from the run's
+    second layer on: each moment is linear over the run, so its largest is at the run's ends, or
+    at its second layer. One placement for all: layers L-1, 1 and 0.
+    """
+    layers, start = set(), 0
+    for i in range(1, len(kept) + 1):
+        if i == len(kept) or kept[i] != kept[start]:
+            layers |= {start, min(start + 1, i - 1), i - 1}
+            start = i
+    return sorted(layers, reverse=True)
 
 
 def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[dict, dict]:
@@ -473,15 +542,17 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[di
 
 
 def _step_moments(
-    c: Qwen3Config, t: int, layout: Layout, o: Options, u: FsdpUnits, x: _PerLayer
+    c: Qwen3Config, t: int, layout: Layout, o: Options, u: FsdpUnits, kept: tuple[_Kept, ...]
 ) -> tuple[Moment, ...]:
-    """The loss (in forward, then its backward), then the backward of layers L-1, 1 and 0.
+    """The loss (in forward, then its backward), then the backward of the layers where a moment
+    can be the largest (_backward_layers; one placement for all: L-1, 1 and 0).
 
-    The loss holds the gathered [norm + lm_head] unit (or the root, with a tied embedding) and
-    the last layer (never resharded after forward). Between layers L-1 and 1 a layer holds what
-    layer 1 does less the gradient shards of the layers after it, so those three are the largest.
+    The loss holds the gathered [norm + lm_head] unit (or the root, with a tied embedding), the
+    last layer (never resharded after forward) and every layer's tensors kept on the device.
+    Layer i's backward holds its own input (copied back, or kept), the device-kept tensors of
+    the layers below it, and the host group of the nearest layer below it that has one: the pool
+    fetches it one layer ahead (layer 0 comes last: nothing is left to fetch).
     """
-    L = c.num_hidden_layers
     loss = loss_moments(
         c,
         t,
@@ -494,17 +565,19 @@ def _step_moments(
         Buffer.GATHERED_HEAD: u.emb_gathered * o.compute_bytes,
         Buffer.GATHERED_LAST_LAYER: u.layer_gathered * o.compute_bytes,
     }
+    on_device = {
+        Buffer.KEPT_INPUTS: sum(k.device_input for k in kept),
+        Buffer.KEPT_ATTENTION: sum(k.device_attention for k in kept),
+    }
     moments = []
     for name, working in loss.items():
-        if o.save_attention:  # its input is among the held saved inputs without offload
-            kept = (x.input if x.input_moved else 0) + x.attn_out + x.attn_lse
-            working[Buffer.LAST_LAYER_KEPT] = kept
+        working = {k: v for k, v in {**working, **on_device}.items() if v}
         moments.append(Moment(name, None, dict(head), working))
     backward = layer_backward_moments(
         c,
         t,
         layout.sp,
-        offload=x.input_moved,
+        offload=True,  # the layer's own input and the prefetched one; set per layer below
         tiled_mlp=o.tiled_mlp,
         mlp_tile=o.mlp_tile,
         fused_norm=o.fused_norm,
@@ -513,15 +586,20 @@ def _step_moments(
         norm_chunk=o.norm_chunk,
         attn_backend=o.attn_backend,
     )
-    # the pool fetches the layer before's input (and with attention once its out and lse) one
-    # layer ahead; layer 0 comes last in backward: nothing is left to fetch
-    kept = (x.attn_out if x.out_moved else 0) + (x.attn_lse if x.lse_moved else 0)
-    ahead = {Buffer.NEXT_ATTENTION: kept}
-    for i in sorted({L - 1, min(1, L - 1), 0}, reverse=True):
+    # the device-kept bytes of layers 0..i-1 at index i
+    inputs_below = [0, *itertools.accumulate(k.device_input for k in kept)]
+    attention_below = [0, *itertools.accumulate(k.device_attention for k in kept)]
+    for i in _backward_layers(kept):
         gathered, fsdp = _fsdp_at_layer(c, o, u, i)
-        fetched = ahead if i > 0 else {Buffer.NEXT_INPUT: 0, Buffer.NEXT_ATTENTION: 0}
+        fetched = next((k for k in reversed(kept[:i]) if k.in_pool), None)
+        around = {
+            Buffer.KEPT_INPUTS: inputs_below[i],
+            Buffer.KEPT_ATTENTION: attention_below[i],
+            Buffer.NEXT_INPUT: fetched.host_input if fetched else 0,
+            Buffer.NEXT_ATTENTION: fetched.host_attention if fetched else 0,
+        }
         for name, act in backward.items():
-            working = {k: v for k, v in {**act, **fetched, **fsdp}.items() if v}
+            working = {k: v for k, v in {**act, **around, **fsdp}.items() if v}
             moments.append(Moment(name, i, dict(gathered), working))
     return tuple(moments)
 
@@ -569,25 +647,25 @@ def _eval_moments(c: Qwen3Config, t: int, layout: Layout, o: Options, u: FsdpUni
     return tuple(moments)
 
 
-def _host_memory(c: Qwen3Config, layout: Layout, o: Options, x: _PerLayer) -> HostMemory:
+def _host_memory(
+    c: Qwen3Config, layout: Layout, o: Options, seq_len: int, placements
+) -> HostMemory:
     """The pool pins each tensor it moves in fixed-size blocks (model/host_pool.py's
-    host_bytes_for), allocated before step 1: model/checkpoint_offload.py's offloaded_tensors,
-    every layer's input, or with attention once L-1 layers' input, out and lse. CPU offload pins
-    the parameter and gradient shards one buffer per parameter (AdamW's zeros_like states are
+    host_bytes_for), allocated before step 1: model/checkpoint_offload.py's offloaded_tensors of
+    the placements, kinds under offload_min_bytes left on the device. CPU offload pins the
+    parameter and gradient shards one buffer per parameter (AdamW's zeros_like states are
     pageable)."""
     mb = o.master_bytes
-    first, *attention_kinds = x.kinds
-
-    def pinned(kind: OffloadedTensor) -> int:  # in whole blocks, where the pool takes it
-        return kind.count * host_bytes_for(kind.nbytes) if _pool_takes(o, kind.nbytes) else 0
-
-    inputs = pinned(first)
-    attention = sum(pinned(kind) for kind in attention_kinds)
+    dtype = DTYPE_OF_BYTES[o.compute_bytes]
+    kinds = offloaded_tensors(c, seq_len, layout.sp, dtype=dtype, placements=list(placements))
+    taken = [kind for kind in kinds if _pool_takes(o, kind.nbytes)]
+    inputs = kinds[0].count * host_bytes_for(kinds[0].nbytes) if kinds[0] in taken else 0
+    attention = sum(kind.count * host_bytes_for(kind.nbytes) for kind in kinds[1:] if kind in taken)
     state = 0
     if o.cpu_offload:
         numels = [shard_numel(s, layout.gpus) for s in param_shapes(c).values()]
         state = sum(2 * host_pinned_bytes(n * mb) + 2 * n * mb for n in numels)
-    copied = sum(kind.count * kind.nbytes for kind in x.kinds if _pool_takes(o, kind.nbytes))
+    copied = sum(kind.count * kind.nbytes for kind in taken)
     node = layout.gpus_per_node
     return HostMemory(
         saved_inputs_per_gpu=inputs,
@@ -612,10 +690,12 @@ def _cpu_offload_cost(c: Qwen3Config, layout: Layout, o: Options, u: FsdpUnits) 
     return CpuOffloadCost(gathers + u.all_shards, adamw, adamw / (o.host_gbps * GB))
 
 
-def _flops(c: Qwen3Config, seq_len: int, layout: Layout, o: Options) -> Flops:
+def _flops(c: Qwen3Config, seq_len: int, layout: Layout, o: Options, placements) -> Flops:
+    """A layer that keeps its attention skips attention's forward in its recompute."""
     per_row = step_flops(c, seq_len, attn_bwd_factor=o.attn_bwd_factor)
     dp, rate = layout.dp, layout.gpus * o.tflops * 1e12 * o.mfu
-    run = dp * per_row["no_attn_recompute" if o.save_attention else "full_recompute"]
+    recomputed = sum(p.attention == "recompute" for p in placements) / c.num_hidden_layers
+    run = dp * (per_row["no_attn_recompute"] + recomputed * per_row["attention_fwd"])
     return Flops(
         full_recompute=dp * per_row["full_recompute"],
         no_attn_recompute=dp * per_row["no_attn_recompute"],
@@ -645,26 +725,29 @@ def plan(
     """
     dp = check_layout(config, seq_len, gpus, sp, dp, gpus_per_node)
     o = replace(options, **overrides) if options else Options(**overrides)
+    L = config.num_hidden_layers
     untiled = not o.tiled_mlp or not o.mlp_tile  # train.py's --tile-mlp 0 (None to apply_offload)
+    placements = o.placements
+    if placements is None:
+        placements = default_placements(L, save_attention=o.save_attention, offload=o.offload)
+    if len(placements) != L:
+        raise ValueError(f"placements: {len(placements)} for {L} decoder layers (one each)")
     o = replace(
         o,
         tiled_mlp=not untiled,
         mlp_tile=0 if untiled else o.mlp_tile,
-        save_attention=bool(o.save_attention),
+        offload=any(p.input == "host" for p in placements),
+        save_attention=any(p.attention != "recompute" for p in placements),
         cpu_offload=bool(o.cpu_offload),
         model=o.model or "custom",
     )
     layout = Layout(gpus, sp, dp, gpus_per_node or min(gpus, 8))
-    t, L = seq_len // sp, config.num_hidden_layers
-    u, x = fsdp_units(config, gpus, o.master_bytes), _per_layer(config, seq_len, sp, o)
+    t = seq_len // sp
+    u = fsdp_units(config, gpus, o.master_bytes)
     state = ShardedState(u.all_shards, u.all_shards, 2 * u.all_shards)
     held = Held(
         param_shards=0 if o.cpu_offload else state.params,
         adamw_states=0 if o.cpu_offload else state.adamw,
-        saved_inputs=0 if x.input_moved else L * x.input,
-        # the other L-1 layers' (the layer in backward counts its own, the last one's the loss)
-        saved_attention=(L - 1)
-        * ((0 if x.out_moved else x.attn_out) + (0 if x.lse_moved else x.attn_lse)),
     )
     return Plan(
         config=config,
@@ -673,9 +756,10 @@ def plan(
         options=o,
         state=state,
         held=held,
-        moments=_step_moments(config, t, layout, o, u, x),
-        host=_host_memory(config, layout, o, x),
+        moments=_step_moments(config, t, layout, o, u, _kept(config, seq_len, sp, o, placements)),
+        host=_host_memory(config, layout, o, seq_len, placements),
         cpu_offload_cost=_cpu_offload_cost(config, layout, o, u),
-        flops=_flops(config, seq_len, layout, o),
+        flops=_flops(config, seq_len, layout, o, placements),
         eval_moments=_eval_moments(config, t, layout, o, u),
+        placements=tuple(placements),
     )

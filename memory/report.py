@@ -34,6 +34,7 @@ from memory.plan import (
     GiB,
     Moment,
     Plan,
+    describe_placements,
     plan,
 )
 from memory.steptime import Rates, project, read_calibration, startup
@@ -101,7 +102,7 @@ def plan_to_dict(p: Plan, *, longest: bool = False, rates: Rates | None = None) 
         "param_shards": p.state.params,
         "grad_shards": p.state.grads,
         "optimizer_states": p.state.adamw,
-        "saved_inputs_gpu": p.held.saved_inputs,
+        "saved_gpu": p.device_kept,
         "gathered_params": p.gathered_params,
         "layer_working_set": p.layer.working_bytes,
         "loss": p.loss.working_bytes,
@@ -173,13 +174,7 @@ def _format_header(p: Plan) -> list[str]:
 
 
 def _format_gpu(p: Plan) -> list[str]:
-    c, o, held = p.config, p.options, p.held
-    L, H, t, b = c.num_hidden_layers, c.hidden_size, p.tokens_per_gpu, o.compute_bytes
-    if held.saved_inputs:
-        inputs = f"({L} x {t:,} x {H} x {b} B)"
-    else:
-        last = "; the last layer's in the loss phase)" if o.save_attention else ")"
-        inputs = f"({L - int(o.save_attention)} x {t:,} x {H} x {b} B in host memory{last}"
+    o, held = p.options, p.held
     grads = "go to host memory as they come" if o.cpu_offload else "come during backward"
     layer, loss = p.layer, p.loss
     fits = "fits" if p.fits_gpu else "DOES NOT FIT"
@@ -191,11 +186,15 @@ def _format_gpu(p: Plan) -> list[str]:
             "(in host memory: --cpu-offload)" if o.cpu_offload else None,
         ),
         _row("AdamW states (2 x fp32)", held.adamw_states),
-        _row("saved layer inputs on GPU", held.saved_inputs, inputs),
         _row(
             "= held from the step start",
             held.bytes,
             f"(fp32 gradient shards, {p.state.grads / GB:.2f} GB in all, {grads})",
+        ),
+        _row(
+            "saved tensors kept on GPU (at the loss)",
+            p.device_kept,
+            f"({describe_placements(p.placements)})",
         ),
         _row(
             "gathered bf16 parameters",
@@ -206,9 +205,10 @@ def _format_gpu(p: Plan) -> list[str]:
         _row(
             "one layer backward: activations + gradients",
             layer.working_bytes,
-            f"(largest in {layer.name}; gradient shards so far included)",
+            f"(largest in layer {layer.layer}'s {layer.name}; with the kept tensors of the layers "
+            f"below and the gradient shards so far)",
         ),
-        _row("loss: logits chunk, fp32 lm_head grad, hidden", loss.working_bytes),
+        _row("loss: logits chunk, fp32 lm_head grad, hidden", loss.working_bytes - p.device_kept),
         _row(
             "peak = held + max(layer phase, loss phase)",
             p.total,
@@ -236,13 +236,14 @@ def _format_gpu(p: Plan) -> list[str]:
 
 def _format_host(p: Plan) -> list[str]:
     o, h, cost = p.options, p.host, p.cpu_offload_cost
-    L, node = p.config.num_hidden_layers, p.layout.gpus_per_node
+    node = p.layout.gpus_per_node
     inputs, attention = h.saved_inputs_per_gpu * node, h.saved_attention_per_gpu * node
-    layers = L - int(o.save_attention) if h.saved_inputs_per_gpu else 0
-    if o.save_attention:
-        attention_note = (
-            f"({attention / GiB:.1f} GiB, {L - 1} layers; the last layer's stay on the GPU)"
-        )
+    layers = sum(pl.input == "host" for pl in p.placements) if inputs else 0
+    kept_on_host = sum(pl.attention == "host" for pl in p.placements) if attention else 0
+    if kept_on_host:
+        attention_note = f"({attention / GiB:.1f} GiB, {kept_on_host} layers)"
+    elif o.save_attention:
+        attention_note = "(every kept attention on the GPU)"
     else:
         attention_note = "(attention recomputed)"
     if o.cpu_offload:

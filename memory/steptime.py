@@ -35,6 +35,7 @@ rows are projected optimistically. Every time here is a projection, not a measur
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -158,23 +159,25 @@ class KernelFlops:
     attention_bwd: float
 
 
-def kernel_flops(config: Qwen3Config, seq_len: int, *, save_attention: bool, **kw) -> KernelFlops:
-    """step_flops(config, seq_len, **kw) split into phases and kernels."""
+def kernel_flops(config: Qwen3Config, seq_len: int, *, recomputed_layers: int, **kw) -> KernelFlops:
+    """step_flops(config, seq_len, **kw) split into phases and kernels; recomputed_layers of the
+    config's layers run attention's forward again in their recompute (the others keep it)."""
     f = step_flops(config, seq_len, **kw)
     dense, attn, lm = f["dense_fwd"], f["attention_fwd"], f["lm_head_fwd"]
-    step = f["no_attn_recompute" if save_attention else "full_recompute"]
     dense_recompute = f["no_attn_recompute"] - f["model"]  # the layers' forward bar attention
+    attn_recompute = f["full_recompute"] - f["no_attn_recompute"]  # every layer's attention
     return KernelFlops(
         dense_fwd=dense,
         attention_fwd=attn,
         loss=3 * lm,
         dense_recompute=dense_recompute,
-        attention_recompute=step - f["model"] - dense_recompute,
+        attention_recompute=attn_recompute * recomputed_layers / config.num_hidden_layers,
         dense_bwd=2 * dense,
         attention_bwd=f["model"] - 3 * (dense + lm) - attn,
     )
 
 
+@functools.cache  # the layout chooser projects one model hundreds of times
 def params_per_gpu(config: Qwen3Config, gpus: int) -> int:
     """fp32 elements of one rank's shards of every parameter (FSDP2 over `gpus`)."""
     return sum(shard_numel(s, gpus) for s in param_shapes(config).values())
@@ -265,8 +268,8 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a gpu_check JSON ({type(e).__name__}: {e})") from None
     L, t = config.num_hidden_layers, seq_len // sp
-    local = kernel_flops(config, t, save_attention=True)  # per GPU, the layer stack's shape
-    row = kernel_flops(config, seq_len, save_attention=True)  # one sp rank's attention: / sp
+    local = kernel_flops(config, t, recomputed_layers=0)  # per GPU, the layer stack's shape
+    row = kernel_flops(config, seq_len, recomputed_layers=0)  # one sp rank's attention: / sp
     part = {k: d.get(k) or {} for k in CALIBRATION_PARTS}
     s = measured_parts(d)
     rates = {}
@@ -384,7 +387,7 @@ def project(p: Plan, rates: Rates | None = None) -> StepTime:
     c, lay, o = p.config, p.layout, p.options
     L, sp, W = c.num_hidden_layers, lay.sp, lay.gpus
     k = kernel_flops(
-        c, p.seq_len, save_attention=o.save_attention, attn_bwd_factor=o.attn_bwd_factor
+        c, p.seq_len, recomputed_layers=p.recomputed_layers, attn_bwd_factor=o.attn_bwd_factor
     )
     # each of a row's sp GPUs runs 1/sp of its FLOPs: rates in FLOP/s per row
     mm, af, ab, lo = (
@@ -474,7 +477,7 @@ def startup(p: Plan, rates: Rates | None = None) -> Startup:
     # backward, at this rank's shape: one layer's attention of the step, at the step's rates (one
     # candidate; a second where the first fails).
     layers, sp = p.config.num_hidden_layers, lay.sp
-    row = kernel_flops(p.config, p.seq_len, save_attention=True)
+    row = kernel_flops(p.config, p.seq_len, recomputed_layers=0)
     probe_s = row.attention_fwd / layers / sp / (r.attention_fwd_tflops * 1e12)
     probe_s += row.attention_bwd / layers / sp / (r.attention_bwd_tflops * 1e12)
     return Startup(

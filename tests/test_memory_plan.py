@@ -216,9 +216,12 @@ def test_layer_saved_bytes_equal_autograd(fake_world, key):
 # ---- (b) the recipe's memory figures -------------------------------------------------------------
 def test_naive_saved_inputs_are_288_gib():
     one = plan(QWEN3_8B, T_1M, gpus=1, sp=1, offload=False)
-    assert one.held.saved_inputs == one.naive_saved_inputs == 36 * T_1M * 4096 * 2 == 288 * GiB
+    assert one.device_kept == one.naive_saved_inputs == 36 * T_1M * 4096 * 2 == 288 * GiB
+    # layer L-1's backward holds every input: the 35 below it kept and its own
+    layer = [m for m in one.moments if m.layer == 35][0].working
+    assert layer[Buffer.KEPT_INPUTS] + layer[Buffer.LAYER_INPUT] == 288 * GiB
     eight = plan(QWEN3_8B, T_1M, gpus=8, sp=8)
-    assert eight.held.saved_inputs == 0
+    assert eight.device_kept == 0
     assert eight.host.saved_inputs_per_gpu == 36 * 131_072 * 4096 * 2  # 38.6 GB per GPU
     assert eight.host.saved_inputs_per_gpu == pytest.approx(38.6 * GB, rel=0.005)
     assert eight.host.saved_inputs_per_gpu * 8 == 288 * GiB  # pinned, per node
@@ -402,7 +405,7 @@ def test_cli_table_json_errors(tmp_path):
     d = json.loads(r.stdout)
     assert (
         d["layout"]["sp"] == 2
-        and d["held"]["saved_inputs"] > 0
+        and d["gb_per_gpu"]["saved_gpu"] > 0
         and d["options"]["loss_chunk"] == 512
         and d["max_seq_len"] > 0
     )
@@ -456,9 +459,9 @@ def test_save_attention_host_bytes_are_the_pools():
             35 * (host_bytes_for(out) + host_bytes_for(lse)) - host_bytes_for(x)
         )
         assert on.host.offload_bytes_per_step == 2 * 35 * (x + out + lse)
-        key = Buffer.LAST_LAYER_KEPT
-        assert on.loss.working[key] == x + out + lse and key not in off.loss.working
-        assert on.held.saved_attention == 0 and on.held.bytes == off.held.bytes
+        assert on.device_kept == x + out + lse and off.device_kept == 0
+        assert on.loss.working[Buffer.KEPT_ATTENTION] == out + lse
+        assert on.held.bytes == off.held.bytes
     at_1m = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
     assert at_1m.host.saved_attention_per_gpu == 35 * (
         2**30 + 2**24
@@ -469,12 +472,11 @@ def test_save_attention_without_offload_stays_on_the_gpu():
     on = plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False, save_attention=True)
     off = plan(QWEN3_8B, T_1M, gpus=8, sp=8, offload=False)
     assert on.host.saved_attention_per_gpu == 0 and on.host.per_node == off.host.per_node
-    assert on.held.saved_attention == 35 * (2**30 + 2**24)  # the layer in backward counts its own
-    key = Buffer.LAST_LAYER_KEPT
-    assert (
-        on.loss.working[key] == 2**30 + 2**24
-    )  # its input is among the saved inputs on the GPU already
-    assert on.total - off.total >= on.held.saved_attention
+    # the loss holds every layer's; layer L-1's backward the 35 below it (it counts its own)
+    assert on.loss.working[Buffer.KEPT_ATTENTION] == 36 * (2**30 + 2**24)
+    top = [m for m in on.moments if m.layer == 35][0].working
+    assert top[Buffer.KEPT_ATTENTION] == 35 * (2**30 + 2**24)
+    assert on.total - off.total >= 35 * (2**30 + 2**24)
 
 
 def test_pool_pins_what_the_plan_says():
@@ -511,7 +513,8 @@ def test_pool_pins_what_the_plan_says():
             min_bytes,
         )
         assert 2 * s.d2h_bytes == p.host.offload_bytes_per_step, (save, min_bytes)
-    assert p.held.saved_attention == 2 * 4 * T * 4  # two layers' lse kept on the device
+    # three layers' lse kept on the device, and the last layer's out: the loss holds them all
+    assert p.loss.working[Buffer.KEPT_ATTENTION] == 3 * 4 * T * 4 + T * 4 * 32 * 4
 
 
 @pytest.mark.parametrize(
@@ -745,7 +748,8 @@ def test_flash_backward_expands_dk_dv_to_the_query_heads():
     expanded = 2 * T_1M * (32 // 8) * 128 * 2
     assert expanded == 2 * GiB
     at_attention = [m for m in flash.moments if m.name == "attention backward"]
-    assert len(at_attention) == 3 and all(m.working[key] == expanded for m in at_attention)
+    # layers 35, 34 (the first of the run placed on the host), 1 and 0
+    assert len(at_attention) == 4 and all(m.working[key] == expanded for m in at_attention)
     assert all(key not in m.working for m in flash.moments if m.name != "attention backward")
     assert all(key not in m.working for m in cudnn.moments)
     assert flash.layer.name == "attention backward" and flash.total > cudnn.total
@@ -765,7 +769,8 @@ def test_next_layers_attention_is_prefetched_with_its_input():
     when layer i's recompute begins, so every layer's backward but layer 0's holds them."""
     p = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
     ahead = {m.layer: m.working.get(Buffer.NEXT_ATTENTION, 0) for m in p.moments if m.layer}
-    assert ahead == {35: 2**30 + 2**24, 1: 2**30 + 2**24}  # out [T, 4, 128] bf16 + lse fp32
+    kept = 2**30 + 2**24  # out [T, 4, 128] bf16 + lse fp32
+    assert ahead == {35: kept, 34: kept, 1: kept}
     assert all(Buffer.NEXT_ATTENTION not in m.working for m in p.moments if m.layer == 0)
     for q in (
         plan(QWEN3_8B, T_1M, gpus=8, sp=8),
