@@ -48,7 +48,7 @@ from memory.snapshot import cuda_memory_history
 from model.attention import BACKENDS
 from model.config import ConfigError
 from model.parallel import GROUP_TIMEOUT, build_mesh
-from run.build import build_model, compute_dtype, log0
+from run.build import build_model, compute_dtype, log0, write_run_layout
 from run.checkpoint import DiskSpaceError, resume_from, rows_to_read, save_checkpoint
 from run.checks import CHOICES, check_run, open_run_dir
 from run.console import describe_run, fail, log0_outputs, summary_line
@@ -103,7 +103,11 @@ class TrainConfig:
         0.0, "YaRN RoPE scaling factor; 0: RoPE as the model's config.json says"
     )
     yarn_original: int = arg(32768, "original_max_position_embeddings for --yarn-factor")
-    offload: bool = arg(True, "keep each layer's input in host memory (checkpoint-with-offload)")
+    offload: bool = arg(
+        True,
+        "layer inputs may wait in host memory (checkpoint-with-offload; the layout chooses which); "
+        "--no-offload: every one on the device",
+    )
     offload_min_bytes: int = arg(1 << 20, "smaller layer inputs stay on the device")
     save_attention: bool | None = arg(
         None,
@@ -162,13 +166,26 @@ class TrainConfig:
     )
     cache_dir: str = arg("", "token cache; empty: $QWEN3_1M_CACHE, else ~/.cache/qwen3-1m")
     eos_token: str = arg("", "separator between documents; empty: the tokenizer's eos token")
-    gpu_mem_gb: float = arg(80.0, "GPU memory per GPU, for the memory plan")
+    gpu_mem_gb: float = arg(
+        0.0,
+        "GB per GPU the layout may use; 0: the device's own (80 in --dry-run); on CPU the budget "
+        "for the device bytes the meter counts (0: 80)",
+    )
     host_mem_gb: float = arg(
         0.0, "host GB per node, for the plan and its checks; 0: this machine's, 2000 in --dry-run"
     )
-    cpu_offload: bool = arg(
-        False, "fp32 shards, grads, AdamW states in host memory; AdamW on the CPU (-15 GB/GPU)"
+    cpu_offload: bool | None = arg(
+        None,
+        "fp32 shards, grads, AdamW states in host memory; AdamW on the CPU (-15 GB/GPU); "
+        "unset: the layout chooses",
     )
+    layout: str = arg(
+        "auto",
+        "where each layer's saved tensors wait: auto (the fastest layout that fits the GPU and "
+        "the host, within what the CPU offload, attention and offload flags pin) or a JSON file "
+        "as the layout_out flag writes it",
+    )
+    layout_out: str = arg("", "write the chosen layout to this JSON file (a --layout FILE)")
     measure_memory: bool = arg(
         False, "CPU: count live tensor bytes per step (CUDA always measures)"
     )
@@ -249,7 +266,7 @@ def parse_args(argv=None) -> TrainConfig:
 # ---------------------------------------------------------------------------------------------
 # The process group: torchrun's environment, or one plain process
 # ---------------------------------------------------------------------------------------------
-def init_distributed(cpu_offload: bool = False) -> tuple[int, int, int, torch.device]:
+def init_distributed(cpu_offload: bool | None = False) -> tuple[int, int, int, torch.device]:
     """(rank, world, local world, device), the process group initialised."""
     group_of_one = {}
     if "RANK" not in os.environ:
@@ -265,8 +282,9 @@ def init_distributed(cpu_offload: bool = False) -> tuple[int, int, int, torch.de
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-        # --cpu-offload: the grad norm all-reduces host DTensors, so gloo serves CPU tensors.
-        backend = "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+        # --cpu-offload: the grad norm all-reduces host DTensors, so gloo serves CPU tensors;
+        # unset (the layout decides once every node's host memory is known), it is there too.
+        backend = "nccl" if cpu_offload is False else "cuda:nccl,cpu:gloo"
         dist.init_process_group(backend, device_id=device, timeout=timeout, **group_of_one)
     else:
         device = torch.device("cpu")
@@ -473,6 +491,8 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
     mesh = build_mesh(world, sp, device.type)
     cfg, model, pool, planned = build_model(cfg, mc, model_dir, mesh, dp, device, dtype)
+    if rank == 0:
+        write_run_layout(cfg, planned)  # OUT/layout.json: --layout repeats it exactly
 
     loader = RowLoader(
         rows, mesh["dp"].get_local_rank(), dp, mesh["sp"].get_local_rank(), sp, device=device

@@ -22,10 +22,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.table import table
 from bench.timer import measure, sync
-from memory.choices import load_config
 from memory.model_size import step_flops
 from model.attention import get_backend, pick_backend, set_backend
 from model.attention_probe import probe_kernel
+from model.config import load_config
 from model.qwen3 import causal_attention
 from model.ulysses_exchange import check_heads
 

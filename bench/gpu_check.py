@@ -46,7 +46,6 @@ from bench.fresh_process import in_fresh_process
 from bench.table import figures, table
 from bench.timer import measure
 from memory.buffers import Buffer, attention_workspace
-from memory.choices import load_config
 from memory.model_size import param_shapes, shard_numel, step_flops
 from memory.plan import plan
 from memory.report import PUBLIC_RECIPE
@@ -59,6 +58,7 @@ from model.attention_probe import (
     rank_attention_shape,
     training_layout,
 )
+from model.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GB, GiB = 1e9, 2**30

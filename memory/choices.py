@@ -1,87 +1,96 @@
-"""Decisions made by planning: attention once when host memory allows it, the longest row that
-fits, and the plan of exactly one train.py run.
+"""Decisions made by planning: the layout of a run, the longest row that fits, and the plan of
+exactly one train.py run.
 
-    from memory.choices import choose_save_attention, max_seq_len, plan_for_run, load_config
-    config = load_config("qwen3-8b")   # a preset name, or a config.json / model directory
-    choose_save_attention(config, 1_048_576, gpus=8, sp=8, host_mem_gb=2000)   # True or False
+    from memory.choices import layout_for_run, max_seq_len, plan_for_run
+    config = load_config("qwen3-8b")   # model/config.py: a preset name, or a config.json / dir
     max_seq_len(config, gpus=8, sp=8, host_mem_gb=2000)   # the longest row whose plan fits
     plan_for_run(cfg, config, world=8, sp=8, dp=1, dtype=torch.bfloat16, device="cuda")
+    layout_for_run(cfg, ...)   # the same, with the runner-up and the faster layouts refused
 
 Each asks memory/plan.py's plan() and reads whether it fits: the GPU (peak + CUDA context + NCCL
-+ reserve <= gpu_mem_gb) and, when host_mem_gb is given, the host memory per node.
++ reserve <= gpu_mem_gb) and, when host_mem_gb is given, the host memory per node. A run's layout
+is memory/layouts.py's choice (--layout auto) within what its flags pin, or a --layout file.
 """
 
 from __future__ import annotations
 
-from memory.plan import GB, Plan, plan
-from model.config import PRESETS, Qwen3Config
-
-
-def choose_save_attention(config: Qwen3Config, seq_len: int, **options) -> bool:
-    """Attention once, or not, when the run does not say: plan() both ways with `options` (gpus,
-    sp, ..., host_mem_gb: plan()'s keywords) and keep attention when that plan fits host memory
-    (with no host_mem_gb, any amount does) and the GPU too, unless the other does not fit it either.
-    Saved attention costs host memory (out + lse: 1 GiB + 16 MiB per layer per GPU at the recipe),
-    so the longest rows may have to recompute it."""
-    return save_attention_choice(config, seq_len, None, **options)[0]
-
-
-def save_attention_choice(
-    config: Qwen3Config, seq_len: int, given: bool | None, **options
-) -> tuple[bool, str]:
-    """(save_attention, why): `given` when the run says (--save-attention / --no-save-attention),
-    else choose_save_attention's rule, with its reason."""
-    if given is not None:
-        return bool(given), "--save-attention" if given else "--no-save-attention"
-    options.pop("save_attention", None)
-    options.pop("save_attention_why", None)
-    on = plan(config, seq_len, save_attention=True, **options)
-    need = f"{on.host.per_node / GB:.0f} GB host per node"
-    limit = on.options.host_mem_gb
-    if not on.fits_host:
-        return False, f"auto: it would need {need}, over --host-mem-gb {limit:g}"
-    if not on.fits_gpu and plan(config, seq_len, save_attention=False, **options).fits_gpu:
-        gpu = on.options.gpu_mem_gb
-        return False, f"auto: its last layer's tensors would not fit {gpu:g} GB per GPU"
-    return True, f"auto: {need}" + ("" if limit is None else f" fits --host-mem-gb {limit:g}")
+from memory.layouts import Candidate, LayoutChoice, Pins, choose_layout, read_layout
+from memory.plan import Options, Plan, plan
+from memory.steptime import project
+from model.config import Qwen3Config
 
 
 def _run_options(
     cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str
 ) -> tuple[int, dict]:
+    """(padded row, plan() keywords) of a train.py run. On CPU the device budget is what the
+    meter counts, so no allocator slack is kept, and the host's runtime share (a CUDA process's)
+    is left out."""
     b = dtype if isinstance(dtype, int) else dtype.itemsize
+    cpu = device == "cpu"
     return -(-cfg.seq_len // sp) * sp, dict(
         gpus=world,
         sp=sp,
         dp=dp,
-        offload=cfg.offload,
         offload_min_bytes=cfg.offload_min_bytes,
         tiled_mlp=cfg.tile_mlp > 0,
         mlp_tile=cfg.tile_mlp,
         loss_chunk=cfg.loss_chunk,
         compute_bytes=b,
-        gpu_mem_gb=cfg.gpu_mem_gb,
-        host_mem_gb=cfg.host_mem_gb,
+        # 0 before run/checks.py settles them: an 80 GB GPU, no host limit
+        gpu_mem_gb=cfg.gpu_mem_gb or Options.gpu_mem_gb,
+        host_mem_gb=cfg.host_mem_gb or None,
         model=cfg.model,
         device=device,
-        cpu_offload=bool(getattr(cfg, "cpu_offload", False)),
         attn_backend=getattr(cfg, "attn_backend", "auto"),
+        **({"reserve_gb": 0.0, "host_overhead_gb": 0.0} if cpu else {}),
     )
 
 
+def run_pins(cfg) -> Pins:
+    """What a run's flags fix of its layout: --cpu-offload / --no-cpu-offload, --save-attention /
+    --no-save-attention, --no-offload."""
+    return Pins(
+        cpu_offload=getattr(cfg, "cpu_offload", None),
+        save_attention=getattr(cfg, "save_attention", None),
+        offload=cfg.offload,
+    )
+
+
+def layout_for_run(
+    cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str, rates=None
+) -> LayoutChoice:
+    """The layout of one train.py run: its --layout file's, or memory/layouts.py's choice within
+    what its flags pin (run_pins). A file's layout is chosen as given, fitting or not."""
+    seq_len, kw = _run_options(cfg, config, world, sp, dp, dtype, device)
+    given = getattr(cfg, "layout", "auto") or "auto"
+    if given == "auto":
+        return choose_layout(config, seq_len, pins=run_pins(cfg), rates=rates, **kw)
+    cpu_offload, placements = read_layout(given, config.num_hidden_layers)
+    p = plan(
+        config,
+        seq_len,
+        cpu_offload=cpu_offload,
+        placements=placements,
+        layout_why=f"--layout {given}",
+        **kw,
+    )
+    return LayoutChoice(Candidate(p, project(p, rates).step_s), None, ())
+
+
 def plan_for_run(
-    cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str
+    cfg, config: Qwen3Config, world: int, sp: int, dp: int, dtype, device: str, rates=None
 ) -> Plan:
     """The plan of exactly one train.py run: its TrainConfig `cfg`, model config, layout, compute
     dtype (a torch.dtype or its byte size) and device type ("cuda" or "cpu").
 
-    cfg.save_attention (absent or None: choose_save_attention decides) -> plan.options.
-    save_attention, what the run should pass to apply_offload; save_attention_why says how.
+    plan.placements and plan.options.cpu_offload are what the run applies (layout_for_run);
+    where no layout fits, the plan of the nearest one, which says it does not fit.
     """
-    seq_len, kw = _run_options(cfg, config, world, sp, dp, dtype, device)
-    given = getattr(cfg, "save_attention", None)
-    save, why = save_attention_choice(config, seq_len, given, **kw)
-    return plan(config, seq_len, save_attention=save, save_attention_why=why, **kw)
+    choice = layout_for_run(cfg, config, world, sp, dp, dtype, device, rates)
+    if choice.chosen is not None:
+        return choice.chosen.plan
+    return choice.refused[0][0].plan
 
 
 def max_seq_len(
@@ -112,10 +121,3 @@ def max_seq_len(
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * step
-
-
-def load_config(name_or_path: str) -> Qwen3Config:
-    """A preset name, or a config.json / model directory read with Qwen3Config.from_hf."""
-    if name_or_path in PRESETS:
-        return Qwen3Config.preset(name_or_path)
-    return Qwen3Config.from_hf(name_or_path)

@@ -36,8 +36,8 @@ each layer's attention output [T, nh/sp, hd] and fp32 log-sum-exp [nh/sp, T] are
 forward, so the recompute skips attention's forward (1.52e18 -> 1.20e18 FLOPs at 1M tokens). They go
 to the offload pool's pinned blocks for every layer but the last, whose input, output and
 log-sum-exp stay on the device for the loss moments (backward starts there: a copy would stall it).
-memory/choices.py's choose_save_attention turns it on when its plan fits host memory (and the GPU,
-if the other fits).
+Which layers keep it, and where, is a layout (Options.placements, one LayerPlacement per layer):
+memory/layouts.py picks the fastest that fits the GPU and the host.
 
 CPU offload (cpu_offload, FSDP2's CPUOffloadPolicy): the fp32 parameter shards, gradient shards and
 AdamW states live in host memory, the parameter and gradient shards pinned one buffer each by
@@ -122,7 +122,7 @@ class Options:
     offload: bool = True  # layer inputs to pinned host memory (model/checkpoint_offload.py)
     offload_min_bytes: int = 0  # smaller tensors stay on the device (the pool's min_bytes)
     save_attention: bool = False  # attention once (see the module docstring)
-    save_attention_why: str = "given"  # how it was decided: a flag, or choose_save_attention's
+    layout_why: str = "given"  # how the layout was decided: given, --layout FILE, or the chooser
     # one LayerPlacement per decoder layer (model/checkpoint_offload.py); None: default_placements
     # from offload and save_attention. Given, it decides both (plan() sets them from it).
     placements: tuple[LayerPlacement, ...] | None = None
@@ -163,7 +163,7 @@ class Options:
         if self.save_attention not in (True, False):
             raise ValueError(
                 f"save_attention must be True or False here, got {self.save_attention!r}; "
-                f"choose_save_attention decides an automatic one"
+                f"memory/layouts.py's choose_layout decides an automatic one"
             )
 
 

@@ -23,7 +23,8 @@ import os
 import sys
 from dataclasses import asdict, replace
 
-from memory.choices import choose_save_attention, load_config, max_seq_len, save_attention_choice
+from memory.choices import max_seq_len
+from memory.layouts import Pins, choose_layout
 from memory.model_size import step_flops
 from memory.plan import (
     ADAMW_CPU_PASSES,
@@ -33,13 +34,14 @@ from memory.plan import (
     NCCL_GB_PER_COMMUNICATOR,
     GiB,
     Moment,
+    Options,
     Plan,
     describe_placements,
     plan,
 )
 from memory.steptime import Rates, project, read_calibration, startup
 from memory.sweep import format_sweep, sweep
-from model.config import PRESETS
+from model.config import PRESETS, load_config
 
 # The public recipe this project measures itself against: Qwen3-8B, 8 x H100.
 PUBLIC_RECIPE = {
@@ -52,14 +54,22 @@ PUBLIC_RECIPE = {
 }
 
 
+def _changed(p: Plan, **changes) -> Options:
+    """p's options with some changed; a change of offload or save_attention replaces the
+    placements with their default_placements."""
+    if {"offload", "save_attention"} & set(changes):
+        changes["placements"] = None
+    return replace(p.options, **changes)
+
+
 def _replan(p: Plan, seq_len: int, **changes) -> Plan:
     """p's plan at another length, or with some options changed."""
-    return plan(p.config, seq_len, **asdict(p.layout), options=replace(p.options, **changes))
+    return plan(p.config, seq_len, **asdict(p.layout), options=_changed(p, **changes))
 
 
 def _longest(p: Plan, **changes) -> int:
     """max_seq_len for p's layout and options, with some options changed."""
-    return max_seq_len(p.config, **asdict(p.layout), options=replace(p.options, **changes))
+    return max_seq_len(p.config, **asdict(p.layout), options=_changed(p, **changes))
 
 
 # ---- JSON -----------------------------------------------------------------------------------
@@ -384,11 +394,10 @@ def _fit(q: Plan) -> str:
 def _format_attention_choice(p: Plan, longest: bool, rates: Rates | None) -> list[str]:
     """Attention once and attention recomputed side by side, and which one this run uses."""
     o = p.options
-    other = _replan(p, p.seq_len, save_attention=not o.save_attention)
-    on, off = (p, other) if o.save_attention else (other, p)
+    on, off = (_replan(p, p.seq_len, save_attention=v) for v in (True, False))
 
     def mark(q: Plan) -> str:
-        return " <- this run" if q is p else ""
+        return " <- this run" if q.placements == p.placements else ""
 
     t_on, t_off = project(on, rates), project(off, rates)
     rows = [
@@ -416,13 +425,13 @@ def _format_attention_choice(p: Plan, longest: bool, rates: Rates | None) -> lis
     ]
     out += [f"  {k:32}{a:>32}{b:>26}" for k, a, b in rows]
     out.append(
-        f"  this run: attention {'kept' if o.save_attention else 'recomputed'} "
-        f"({o.save_attention_why}); --save-attention / --no-save-attention choose"
+        f"  this run: {describe_placements(p.placements)} ({o.layout_why}); "
+        f"--save-attention / --no-save-attention pin every layer's"
     )
     if longest and n_on < n_off:
         out.append(
-            f"  rows longer than {n_on:,} tokens need --no-save-attention: the kept attention's "
-            f"host (or GPU) memory is what stops them"
+            f"  every layer keeps its attention up to {n_on:,} tokens; longer rows keep it on "
+            f"fewer layers (--layout auto): its host (or GPU) memory is what stops them"
         )
     return out
 
@@ -432,10 +441,12 @@ def _format_cpu_offload_choice(p: Plan, longest: bool) -> list[str]:
     run's was automatic)."""
     layout = asdict(p.layout)
     o = replace(p.options, cpu_offload=not p.options.cpu_offload)
-    if p.options.save_attention_why.startswith("auto"):
-        kept = choose_save_attention(p.config, p.seq_len, **layout, options=o)
-        o = replace(o, save_attention=kept)
     q = plan(p.config, p.seq_len, **layout, options=o)
+    if p.options.layout_why.startswith("--layout auto"):  # the other's own choice
+        kw = {**asdict(o), **layout}
+        chosen = choose_layout(p.config, p.seq_len, pins=Pins(cpu_offload=o.cpu_offload), **kw)
+        q = chosen.chosen.plan if chosen.chosen else q
+    o = q.options
     flag = "--cpu-offload" if o.cpu_offload else "--no-cpu-offload"
     out = [
         f"with {flag} (attention {'kept' if o.save_attention else 'recomputed'}): peak "
@@ -465,9 +476,8 @@ def _format_longest(p: Plan, rates: Rates | None) -> list[str]:
     if n:
         q = _replan(p, n)
         host = "" if o.host_mem_gb is None else f" and {o.host_mem_gb:g} GB host per node"
-        kept = "kept" if o.save_attention else "recomputed"
         out = [
-            f"longest sequence that fits {o.gpu_mem_gb:g} GB per GPU{host}, attention {kept}: "
+            f"longest sequence that fits {o.gpu_mem_gb:g} GB per GPU{host} in this layout: "
             f"{n:,} tokens ({n / 2**20:.2f} Mi)",
             f"  there: peak {q.total / GB:.1f} GB per GPU, host {q.host.per_node / GB:.0f} GB "
             f"per node, {project(q, rates).step_s:.0f} s per step (projected)",
@@ -587,7 +597,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="attention once: keep each layer's attention out and lse (default: on when "
-        "its host memory fits --host-mem-gb, choose_save_attention)",
+        "memory/layouts.py's choice of the fastest layout that fits)",
     )
     ap.add_argument(
         "--no-save-attention",
@@ -646,8 +656,9 @@ def main(argv: list[str] | None = None) -> int:
             host_gbps=a.host_gbps,
             attn_backend=a.attn_backend,
         )
-        save, why = save_attention_choice(config, a.seq_len, a.save_attention, **kw)
-        p = plan(config, a.seq_len, save_attention=save, save_attention_why=why, **kw)
+        pins = Pins(a.cpu_offload or None, a.save_attention, a.offload)
+        choice = choose_layout(config, a.seq_len, pins=pins, **kw)
+        p = choice.chosen.plan if choice.chosen else choice.refused[0][0].plan
         rates = read_calibration(a.calibration) if a.calibration else None
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))

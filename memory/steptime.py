@@ -42,10 +42,9 @@ import sys
 from dataclasses import asdict, dataclass, replace
 
 from memory.buffers import Buffer
-from memory.choices import load_config
 from memory.model_size import host_pinned_bytes, param_shapes, shard_numel, step_flops
 from memory.plan import GB, Plan, plan
-from model.config import PRESETS, Qwen3Config
+from model.config import PRESETS, Qwen3Config, load_config
 
 # TFLOP/s per GPU of step_flops' count, attention included (its 2.5x backward) and whole-layer
 # recompute: what the public Qwen3 runs ran at. huggingface/trl pull request #6845's measured

@@ -48,7 +48,9 @@ def sweep(
     for seq_len in lengths:
         for gpus in gpu_counts:
             for kept in (True, False):
-                options = replace(p.options, save_attention=kept, save_attention_why="sweep")
+                options = replace(
+                    p.options, save_attention=kept, placements=None, layout_why="sweep"
+                )
                 sp = min(gpus, GPUS_PER_NODE)
                 try:
                     q = plan(p.config, seq_len, gpus=gpus, sp=sp, gpus_per_node=sp, options=options)

@@ -360,3 +360,10 @@ PRESETS: dict[str, Qwen3Config] = {
         eos_token_id=None,
     ),
 }
+
+
+def load_config(name_or_path: str) -> Qwen3Config:
+    """A preset name, or a config.json / model directory read with Qwen3Config.from_hf."""
+    if name_or_path in PRESETS:
+        return Qwen3Config.preset(name_or_path)
+    return Qwen3Config.from_hf(name_or_path)

@@ -5,25 +5,27 @@
     cfg, model, backend = sharded_model(cfg, mc, model_dir, mesh, device, dtype)  # --eval-only
     log0("printed by rank 0 only")        # train.py's console lines too
 
-build_model does four things, each where it is for a reason:
+build_model does five things, each where it is for a reason:
 
-1. Shard the model (model/parallel.py): meta -> FSDP2 shards over dp x sp -> materialise -> read
-   from model_dir, or the seeded init when there is none. First, because every later step hooks
-   into its modules.
-2. Ulysses attention over the mesh's sp ranks, and its kernel: picked at this rank's heads and
+1. The layout (memory/choices.py's plan_for_run: memory/layouts.py's choice within what the flags
+   pin, or a --layout file): first, because where the fp32 state lives (--cpu-offload) decides
+   how the model is built; a run no layout fits was refused before (run/checks.py).
+2. Shard the model (model/parallel.py): meta -> FSDP2 shards over dp x sp -> materialise -> read
+   from model_dir, or the seeded init when there is none. Before the rest, because every later
+   step hooks into its modules.
+3. Ulysses attention over the mesh's sp ranks, and its kernel: picked at this rank's heads and
    the run's length (on CUDA by running each candidate once, every rank agreeing). After the
-   shards, because the probe runs in the training layout; before the plan, because the plan
-   counts what the kernel keeps (flash's backward expands dk, dv; sdpa keeps no lse, so no
-   attention once).
-3. The memory plan, and attention once: --save-attention, or (unset) on when the planner finds
-   host memory for it. Before the offload pool, because the pool offloads what the plan decided.
-4. The offload pool (checkpoint-with-offload per layer, tiled MLP) and its host blocks: every
+   shards, because the probe runs in the training layout.
+4. The layout planned again with that kernel (flash's backward expands dk, dv; sdpa keeps no
+   lse, so no attention once), the fp32 state where it now is. Before the offload pool, because
+   the pool keeps each layer's tensors where this plan puts them.
+5. The offload pool (checkpoint-with-offload per layer, tiled MLP) and its host blocks: every
    block a step uses is pinned now, last, because pinning takes seconds and synchronises, so no
    step should do it.
 
-sharded_model is steps 1 and 2, what a run and --eval-only share. `cfg` is train.py's TrainConfig
+sharded_model is steps 2 and 3, what a run and --eval-only share. `cfg` is train.py's TrainConfig
 (a dataclass): this file reads its fields, hands back a dataclasses.replace of it with what was
-decided (the kernel, attention once), and imports nothing from train.py, which runs as __main__.
+decided (the kernel, CPU offload), and imports nothing from train.py, which runs as __main__.
 With fake_mode (train.py --rehearse) all of it happens on fake tensors and nothing is read.
 """
 
@@ -40,6 +42,8 @@ import torch
 import torch.distributed as dist
 
 from memory.choices import plan_for_run
+from memory.layouts import Candidate, why_not, write_layout
+from memory.plan import describe_placements
 from memory.report import plan_warnings
 from model.attention import BACKENDS, BackendChoice, saved_attention_bytes, set_backend
 from model.attention_probe import choose_kernel, probe_kernel
@@ -63,24 +67,43 @@ def compute_dtype(cfg, device: torch.device) -> torch.dtype:
 
 def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
     """(cfg, model, pool, plan): the sharded model with Ulysses attention and its kernel, the
-    memory plan, and the offload pool with its host blocks. fake_mode: all of it on fake
-    tensors, nothing loaded (train.py --rehearse). cfg comes back with what was decided."""
+    memory plan of its layout, and the offload pool with its host blocks. fake_mode: all of it
+    on fake tensors, nothing loaded (train.py --rehearse). cfg comes back with what was decided
+    (the kernel, and whether the fp32 state is on the host)."""
     world, sp = mesh.size(), mesh.size(1)
-    cfg, model, backend = sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode)
-    # Attention once when asked, or (unset) when the planner finds host memory for it.
+    # The layout first: where the fp32 state lives (--cpu-offload) decides how the model is built.
     planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    cfg = dataclasses.replace(cfg, cpu_offload=planned.options.cpu_offload)
+    cfg, model, backend = sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode)
+    # Planned again with the kernel the probe chose (flash's backward needs more than cuDNN's),
+    # the fp32 state where it now is, before any host block is pinned.
+    planned = plan_for_run(cfg, mc, world, sp, dp, dtype, device.type)
+    if not planned.fits and not cfg.eval_only and cfg.layout == "auto":
+        raise ConfigError(
+            f"memory: with the {backend.name} kernel the probe chose, no layout fits "
+            f"{planned.options.gpu_mem_gb:g} GB per GPU and {planned.options.host_mem_gb:.0f} "
+            f"GB host per node ({why_not(Candidate(planned, 0.0))}); try --attn-backend or a "
+            f"shorter --seq-len"
+        )
     log_attention(cfg, mc, sp, dtype, backend, planned)
     pool = apply_offload(
         model,
-        offload=cfg.offload,
         min_bytes=cfg.offload_min_bytes,
         tile_mlp=cfg.tile_mlp or None,
-        save_attention=planned.options.save_attention,
+        placements=list(planned.placements),
     )
-    if cfg.offload:
+    if any(p.on_host for p in planned.placements):
         with fake_mode or contextlib.nullcontext():
-            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.options.save_attention)
+            reserve_host_blocks(pool, cfg, mc, sp, dtype, device, planned.placements)
     return cfg, model, pool, planned
+
+
+def write_run_layout(cfg, planned) -> None:
+    """Rank 0: the run's layout to OUT/layout.json (and --layout-out), so a run repeats exactly
+    with --layout OUT/layout.json."""
+    paths = [os.path.join(cfg.out, "layout.json")] + ([cfg.layout_out] if cfg.layout_out else [])
+    for path in paths:
+        write_layout(path, planned)
 
 
 def sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode=None):
@@ -195,29 +218,33 @@ def stop_every_rank(message: str) -> None:
 
 
 def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
-    """One line: the kernel, why the one before it was passed over, attention once or not and
-    what it keeps; then the plan's warnings."""
+    """Two lines: the kernel and why the one before it was passed over; the layout (where each
+    layer's saved tensors wait, and why) and what a kept attention costs; then the plan's
+    warnings."""
+    passed = f"; {backend.why}" if backend.why else ""  # why cuDNN (say) was passed over
+    log0(f"attention: {BACKENDS[backend.name]} ({backend.name}{passed})")
+    if cfg.eval_only:
+        log0("layout: forward only (an evaluation keeps nothing for a backward)")
+        return
+    kept = ""
     if planned.options.save_attention:
         padded_row = math.ceil(cfg.seq_len / sp) * sp
-        kept = saved_attention_bytes(
+        size = saved_attention_bytes(
             padded_row, mc.num_attention_heads, mc.head_dim, dtype.itemsize, sp=sp
         )
-        where = "host" if cfg.offload else "device"
-        how = f"attention once per layer, {kept / 2**20:,.1f} MiB per layer per GPU on the {where}"
-    else:
-        how = "attention recomputed in backward"
-    why = f" ({planned.options.save_attention_why})" if planned.options.save_attention_why else ""
-    passed = f"; {backend.why}" if backend.why else ""  # why cuDNN (say) was passed over
-    log0(f"attention: {BACKENDS[backend.name]} ({backend.name}{passed}); {how}{why}")
+        kept = f"; a kept attention is {size / 2**20:,.1f} MiB per layer per GPU"
+    where = describe_placements(planned.placements)
+    state = "; fp32 state in host memory (CPU offload)" if planned.options.cpu_offload else ""
+    log0(f"layout: {where}{state} ({planned.options.layout_why}){kept}")
     for warning in plan_warnings(planned):
         log0(f"warning: {warning}")
 
 
-def reserve_host_blocks(pool, cfg, mc, sp, dtype, device, save_attention: bool) -> None:
+def reserve_host_blocks(pool, cfg, mc, sp, dtype, device, placements) -> None:
     """Pin every host block the steps will use now: pinning takes seconds and synchronises, so
-    no step should do it. The blocks hold model/checkpoint_offload.py's offloaded_tensors: each
-    layer's input, or with attention once the input, out and lse of all layers but the last."""
-    saved = offloaded_tensors(mc, cfg.seq_len, sp, dtype=dtype, save_attention=save_attention)
+    no step should do it. The blocks hold model/checkpoint_offload.py's offloaded_tensors of the
+    layers' placements: the inputs, attention outs and lses they put on the host."""
+    saved = offloaded_tensors(mc, cfg.seq_len, sp, dtype=dtype, placements=list(placements))
     show_progress = dist.get_rank() == 0 and sys.stderr.isatty()
     pinned = blocks = seconds = 0
     for kind in saved:

@@ -6,10 +6,11 @@
 check_run is cheap (flags, config.json, a tokenizer, a token file's ids, the memory plan) and
 raises ConfigError with one line that names the flag or file and the fix. It also settles
 --host-mem-gb 0 in `cfg` into this machine's memory (run/host_memory.py), the number the plan
-then reads, and refuses a run whose planned host memory per node exceeds it. train.py calls it
-in every process before torch.distributed starts; `train.py --check-only` (what torchrun.sh runs
-once before launching N processes) calls it and the directory checks and exits. `cfg` is
-train.py's TrainConfig; this file reads its fields and imports nothing from train.py.
+then reads, and --gpu-mem-gb 0 into the device's, and refuses a run that no layout fits
+(memory/layouts.py). train.py calls it in every process before torch.distributed starts;
+`train.py --check-only` (what torchrun.sh runs once before launching N processes) calls it and
+the directory checks and exits. `cfg` is train.py's TrainConfig; this file reads its fields
+and imports nothing from train.py.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ CHOICES = {
 }
 INF = math.inf
 DRY_RUN_HOST_MEM_GB = 2000.0  # a dry run plans for the target node, not the machine it runs on
+DRY_RUN_GPU_MEM_GB = 80.0  # and for an 80 GB GPU (H100)
 
 
 def _rules(c) -> list[tuple[str, bool, str]]:
@@ -91,7 +93,11 @@ def _rules(c) -> list[tuple[str, bool, str]]:
             c.eval_every >= -1,
             "-1 (before the first step and after the last), 0 (off) or a number of steps",
         ),
-        ("gpu_mem_gb", 0 < c.gpu_mem_gb < INF, "a positive number of GB, such as 80"),
+        (
+            "gpu_mem_gb",
+            0 < c.gpu_mem_gb < INF,
+            "0 (this device's memory) or a positive number of GB per GPU, such as 80",
+        ),
         ("sweep", c.dry_run or not c.sweep, "given with --dry-run"),
         ("calibration", c.dry_run or not c.calibration, "given with --dry-run"),
         ("rehearse", not (c.rehearse and c.dry_run), "given without --dry-run (one or the other)"),
@@ -123,10 +129,28 @@ def settle_host_memory(cfg) -> str:
     return f"this machine's memory, {source}"
 
 
+def settle_gpu_memory(cfg) -> str:
+    """Turn --gpu-mem-gb 0 (the default) into GB in `cfg` and say where the number comes from: the
+    device's own memory on a GPU; DRY_RUN_GPU_MEM_GB in a dry run or rehearsal (an H100's) and on
+    CPU (where it budgets the bytes the meter counts)."""
+    if cfg.gpu_mem_gb != 0:
+        return f"--gpu-mem-gb {cfg.gpu_mem_gb:g}"
+    import torch
+
+    from memory.plan import GB
+
+    if cfg.dry_run or cfg.rehearse or not torch.cuda.is_available():
+        cfg.gpu_mem_gb = DRY_RUN_GPU_MEM_GB
+        return f"an assumed {DRY_RUN_GPU_MEM_GB:g} GB GPU"
+    cfg.gpu_mem_gb = torch.cuda.get_device_properties(0).total_memory / GB
+    return "this GPU's memory"
+
+
 def check_flags(cfg) -> None:
-    """Ranges, finiteness and choices of every flag, after settle_host_memory; nothing else is
-    read."""
+    """Ranges, finiteness and choices of every flag, after settle_host_memory and
+    settle_gpu_memory; nothing else is read."""
     settle_host_memory(cfg)
+    settle_gpu_memory(cfg)
     for name, holds, rule in _rules(cfg):
         if not holds:
             raise ConfigError(f"{flag(name)} {getattr(cfg, name)}: must be {rule}")
@@ -140,6 +164,14 @@ def check_flags(cfg) -> None:
             "--loss-on predictable needs a synthetic source (--data synthetic:...): only they mark "
             "which labels are predictable; use --loss-on all"
         )
+    layout = getattr(cfg, "layout", "auto")
+    pinned = [f for f in ("cpu_offload", "save_attention") if getattr(cfg, f, None) is not None]
+    if layout != "auto" and pinned:
+        raise ConfigError(
+            f"--layout {layout} fixes the whole layout; drop {', '.join(map(flag, pinned))}"
+        )
+    if layout != "auto" and not os.path.isfile(layout):
+        raise ConfigError(f"--layout {layout}: no such file; pass auto or a --layout-out file")
     if getattr(cfg, "save_attention", None) and getattr(cfg, "attn_backend", "auto") == "sdpa":
         raise ConfigError(
             "--save-attention: --attn-backend sdpa has no log-sum-exp for attention once; "
@@ -363,30 +395,46 @@ def cuda_compute_bytes(cfg) -> int:
     return 4 if cfg.dtype == "float32" else 2
 
 
-def check_host_memory(cfg, mc: Qwen3Config, world: int, sp: int, dp: int, origin: str) -> None:
-    """Refuse a CUDA run whose planned host memory per node (memory/plan.py's host_per_node:
-    pinned saved inputs, attention once, --cpu-offload's state, each process's runtime) is more
-    than cfg.host_mem_gb; `origin` says where that limit comes from. CPU runs are not refused:
-    there nothing is pinned and the plan's runtime share (4 GB per process) is CUDA's, so its
-    host figure would turn away the 2-process demo on an 8 GB laptop."""
+def check_memory(cfg, mc: Qwen3Config, world: int, sp: int, dp: int, origin: str) -> None:
+    """Refuse a run that no layout fits (memory/layouts.py: the GPU's --gpu-mem-gb and the host
+    memory per node; `origin` says where the host limit comes from) in one line naming the
+    longest row some layout fits on this node, and that layout. A CPU run plans the device
+    bytes its meter counts against --gpu-mem-gb. A --layout file is refused when it does not
+    fit, or does not match the model."""
     import torch
 
-    from memory.choices import plan_for_run
-    from memory.plan import GB
+    from memory.choices import layout_for_run, run_pins
+    from memory.layouts import longest_row, why_not
 
-    if not torch.cuda.is_available():  # train.py runs on CPU exactly then
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # train.py runs there exactly then
+    dtype = cuda_compute_bytes(cfg) if device == "cuda" else (2 if cfg.dtype == "bfloat16" else 4)
+    try:
+        choice = layout_for_run(cfg, mc, world, sp, dp, dtype, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if choice.chosen is not None and choice.chosen.plan.fits:
         return
-    planned = plan_for_run(cfg, mc, world, sp, dp, cuda_compute_bytes(cfg), "cuda")
-    if planned.fits_host:
-        return
-    fixes = (
-        ["a shorter --seq-len"]
-        + (["--no-save-attention"] if planned.options.save_attention else [])
-        + (["no --cpu-offload"] if planned.options.cpu_offload else [])
-    )
+    nearest = choice.chosen or choice.refused[0][0]
+    limits = f"{cfg.gpu_mem_gb:g} GB per GPU, {cfg.host_mem_gb:.0f} GB host per node ({origin})"
+    if cfg.layout != "auto":
+        raise ConfigError(f"--layout {cfg.layout} does not fit {limits}: {why_not(nearest)}")
+    p = nearest.plan
+    kw = {
+        **dataclasses.asdict(p.layout),
+        **{k: v for k, v in dataclasses.asdict(p.options).items() if k != "placements"},
+    }
+    n, best = longest_row(mc, pins=run_pins(cfg), multiple=1024 * sp, **kw)
+    if best is None:
+        longest = f"no row of {1024 * sp:,} tokens fits either"
+    else:
+        longest = f"the longest row that fits is {n:,} tokens ({best.describe()})"
+    pins = [flag(f) for f in ("cpu_offload", "save_attention") if getattr(cfg, f) is not None]
+    pins = [p if getattr(cfg, p[2:].replace("-", "_")) else "--no-" + p[2:] for p in pins]
+    pins += [] if cfg.offload else ["--no-offload"]
+    freed = f"; without {' '.join(pins)} the layout is free to choose more" if pins else ""
     raise ConfigError(
-        f"host memory: this run plans {planned.host.per_node / GB:.1f} GB per node, more than the "
-        f"{planned.options.host_mem_gb:.1f} GB it may use ({origin}); try {' or '.join(fixes)}"
+        f"memory: no layout fits {cfg.seq_len:,} tokens in {limits}; the nearest "
+        f"{why_not(nearest)}; {longest}{freed}"
     )
 
 
@@ -457,8 +505,8 @@ def check_run(cfg, world: int, local_world: int, *, download: bool = False):
     random_init = model_dir is None and cfg.model in MODEL_PRESETS
     check_data(cfg, mc, model_dir, random_init, cfg.steps * cfg.grad_accum * dp)
     check_eval(cfg, mc, model_dir, random_init, dp)
-    if not cfg.eval_only:  # an evaluation pins no host memory
-        check_host_memory(cfg, mc, world, sp, dp, origin)
+    if not cfg.eval_only:  # an evaluation keeps nothing for a backward
+        check_memory(cfg, mc, world, sp, dp, origin)
     return mc, model_dir, sp, dp
 
 

@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from memory.choices import plan_for_run
-from memory.model_size import step_flops
+from memory.choices import layout_for_run, plan_for_run
+from memory.layouts import format_choice, write_layout
 from memory.report import format_plan
 from memory.steptime import read_calibration
 from memory.sweep import format_sweep, sweep
@@ -75,8 +75,13 @@ def dry_run(cfg) -> None:
         rates = read_calibration(cfg.calibration) if cfg.calibration else None
     except ValueError as e:
         raise ConfigError(f"--calibration {e}") from None
-    p = plan_for_run(cfg, mc, world, sp, dp, planned_dtype(cfg), "cuda")
+    choice = layout_for_run(cfg, mc, world, sp, dp, planned_dtype(cfg), "cuda", rates)
+    p = choice.chosen.plan if choice.chosen else choice.refused[0][0].plan
     print(format_plan(p, rates=rates))
+    print("\n" + "\n".join(format_choice(choice)))
+    if cfg.layout_out:
+        write_layout(cfg.layout_out, p)
+        print(f"layout written to {cfg.layout_out} (train.py --layout {cfg.layout_out})")
     if cfg.sweep:
         print("\n" + format_sweep(p, sweep(p, rates)))
 
@@ -95,6 +100,12 @@ def rehearse(cfg, make_optimizer, train_step) -> None:
     # tensors as on a GPU, with CPU kernels; what only a GPU holds is added by name below.
     device, dtype = torch.device("cpu"), planned_dtype(cfg)
     cfg = dataclasses.replace(cfg, dtype=str(dtype)[6:], attn_backend="auto")
+    # The layout a GPU run would choose, pinned as a file: the CPU path rehearses exactly it.
+    choice = layout_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
+    os.makedirs(cfg.out, exist_ok=True)
+    pinned = os.path.join(cfg.out, "layout.json")
+    write_layout(pinned, choice.chosen.plan if choice.chosen else choice.refused[0][0].plan)
+    cfg = dataclasses.replace(cfg, layout=pinned, cpu_offload=None, save_attention=None)
     log0(
         f"rehearse: {cfg.model} ({mc.num_hidden_layers} layers) at {cfg.seq_len:,} tokens/row, "
         f"{world} processes (sp {sp} x dp {dp}), {str(dtype)[6:]}, as rank 0 on fake tensors; "
@@ -149,11 +160,8 @@ def report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps) -> None:
     # The plan of this CPU path is what the rehearsal measures; the GPU terms come on top.
     cpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cpu")
     gpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
-    flops_planned = step_flops(mc, cfg.seq_len)  # one row, which an sp group shares
-    recompute = "no_attn_recompute" if planned.options.save_attention else "full_recompute"
-    lines, record = summarize(
-        steps, cpu_plan, flops_planned[recompute] / sp, gpu_only_terms(gpu_plan)
-    )
+    flops_planned = planned.flops.step / dp  # one row, which an sp group shares
+    lines, record = summarize(steps, cpu_plan, flops_planned / sp, gpu_only_terms(gpu_plan))
     for line in lines:
         log0(line)
     os.makedirs(cfg.out, exist_ok=True)

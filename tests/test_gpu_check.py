@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 
-from memory.choices import load_config
 from memory.plan import plan
+from model.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("loss", "layers", "attention", "backends", "optimizer", "int32", "cpu_offload")

@@ -145,20 +145,22 @@ def test_cuda_run_over_host_memory_is_refused_before_anything_runs(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     out = tmp_path / "run"
     with pytest.raises(ConfigError) as e:
-        train.main(["--model", "tiny", "--steps", "1", "--out", str(out)])
-    assert str(e.value).startswith("host memory: this run plans ")
-    assert "more than the 2.0 GB it may use (this machine's memory, a fake cgroup)" in str(e.value)
+        train.main(["--model", "tiny", "--steps", "1", "--out", str(out), "--gpu-mem-gb", "80"])
+    assert str(e.value).startswith("memory: no layout fits 1,024 tokens in 80 GB per GPU, 2 GB host")
+    assert "(this machine's memory, a fake cgroup)" in str(e.value)
+    assert "needs 4 GB host per node of 2" in str(e.value)  # the runtime share alone
+    assert "no row of 1,024 tokens fits either" in str(e.value)
     assert "\n" not in str(e.value) and not out.exists()
     # the same run with the memory it needs passes the checks
     _fake_machine(monkeypatch, 100 * 10**9)
-    checks.check_run(train.TrainConfig(model="tiny", steps=1, out=str(out)), 1, 1)
+    checks.check_run(train.TrainConfig(model="tiny", steps=1, out=str(out), gpu_mem_gb=80.0), 1, 1)
 
 
 def test_cpu_offload_counts_and_is_named(monkeypatch):
     """--cpu-offload's host state is in the planned total: a limit between the two is refused
     only with it, and the message names it as a way out."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    base = dict(model="qwen3-0.6b", seq_len=8192, steps=1)
+    base = dict(model="qwen3-0.6b", seq_len=8192, steps=1, gpu_mem_gb=80.0)
     plain = train.TrainConfig(**base, host_mem_gb=1000.0)
     mc, _, sp, dp = checks.check_run(plain, 1, 1)
     off = train.TrainConfig(**base, cpu_offload=True, host_mem_gb=1000.0)
@@ -168,7 +170,7 @@ def test_cpu_offload_counts_and_is_named(monkeypatch):
     limit = (low + high) / 2
     checks.check_run(train.TrainConfig(**base, host_mem_gb=limit), 1, 1)
     with pytest.raises(
-        ConfigError, match=rf"--host-mem-gb {limit:g}\); try .* or no --cpu-offload"
+        ConfigError, match=rf"--host-mem-gb {limit:g}\).* without --cpu-offload the layout"
     ):
         checks.check_run(train.TrainConfig(**base, cpu_offload=True, host_mem_gb=limit), 1, 1)
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from memory.buffers import Buffer, layer_saved_bytes
-from memory.choices import choose_save_attention, max_seq_len, plan_for_run
+from memory.choices import max_seq_len, plan_for_run
+from memory.layouts import choose_layout
 from memory.model_size import param_shapes, shard_numel
 from memory.plan import GB, GiB, plan
 from memory.report import format_plan, plan_to_dict
@@ -535,33 +536,36 @@ def test_train_reserves_the_host_blocks_the_plan_counts(save, min_bytes, monkeyp
     run = train.TrainConfig(seq_len=255, offload_min_bytes=min_bytes, save_attention=save)
     p = plan_for_run(run, mc, 2, 2, 1, torch.float32, "cpu")
     pool = HostPool(min_bytes=min_bytes)
-    build.reserve_host_blocks(pool, run, mc, 2, torch.float32, "cpu", p.options.save_attention)
+    build.reserve_host_blocks(pool, run, mc, 2, torch.float32, "cpu", p.placements)
     s = pool.stats()
     assert s.pinned_bytes == p.host.saved_inputs_per_gpu + p.host.saved_attention_per_gpu > 0
     assert 2 * s.pool_bytes == p.host.offload_bytes_per_step
-    assert (p.host.saved_attention_per_gpu > 0) == save
+    assert p.options.save_attention == save
+    assert (p.host.saved_attention_per_gpu > 0) == any(x.attention == "host" for x in p.placements)
 
 
-def test_choose_save_attention_and_longest_rows():
-    """On while its host memory fits; the longest row with it is shorter (host-bound) and the rule
-    switches it off exactly past that row."""
+def test_longest_rows_with_and_without_attention_once():
+    """Every layer keeping its attention, the longest row is shorter (host-bound) than
+    recomputing it; the chooser keeps it on every layer up to that row, and past it on fewer."""
     kw = dict(gpus=8, sp=8, gpu_mem_gb=80, host_mem_gb=2000)
-    assert choose_save_attention(QWEN3_8B, T_1M, **kw)
     n_on = max_seq_len(QWEN3_8B, save_attention=True, **kw)
     n_off = max_seq_len(QWEN3_8B, save_attention=False, **kw)
     assert T_1M < n_on < n_off
     assert plan(QWEN3_8B, n_on, save_attention=True, **kw).fits
     past = plan(QWEN3_8B, n_on + 8192, save_attention=True, **kw)
     assert past.fits_gpu and not past.fits_host  # host memory is what stops attention once
-    assert choose_save_attention(QWEN3_8B, n_on, **kw) and not choose_save_attention(
-        QWEN3_8B, n_on + 8192, **kw
-    )
-    assert choose_save_attention(
-        QWEN3_8B, n_on + 8192, **{**kw, "host_mem_gb": None}
-    )  # no limit given
+    # past n_on the chooser still keeps every attention, one layer's input moving to the GPU to
+    # make host room; further on, some layers recompute theirs
+    rows = (n_on, n_on + 8192, (n_on + n_off) // 2 // 8192 * 8192)
+    at, beyond, between = (choose_layout(QWEN3_8B, n, **kw).chosen.plan for n in rows)
+    device_inputs = [sum(x.input == "device" for x in q.placements) for q in (at, beyond)]
+    assert at.recomputed_layers == beyond.recomputed_layers == 0 and device_inputs == [1, 2]
+    assert 0 < between.recomputed_layers < 36 and between.fits
+    unlimited = choose_layout(QWEN3_8B, rows[2], **{**kw, "host_mem_gb": None})
+    assert unlimited.chosen.plan.recomputed_layers == 0
 
 
-def test_plan_for_run_reads_save_attention():
+def test_plan_for_run_follows_the_layout_choice():
     from types import SimpleNamespace
 
     cfg = SimpleNamespace(
@@ -575,27 +579,14 @@ def test_plan_for_run_reads_save_attention():
         model="qwen3-8b",
     )
     auto = plan_for_run(cfg, QWEN3_8B, 8, 8, 1, torch.bfloat16, "cuda")  # no attribute: automatic
-    assert (
-        not auto.options.save_attention
-        and "over --host-mem-gb 2000" in auto.options.save_attention_why
-    )
-    assert auto.options.save_attention == choose_save_attention(
-        QWEN3_8B,
-        4 * T_1M,
-        gpus=8,
-        sp=8,
-        mlp_tile=16384,
-        offload_min_bytes=2**20,
-        host_mem_gb=2000.0,
-    )
-    forced = plan_for_run(
+    kw = dict(gpus=8, sp=8, dp=1, mlp_tile=16384, offload_min_bytes=2**20, host_mem_gb=2000.0)
+    chosen = choose_layout(QWEN3_8B, 4 * T_1M, model="qwen3-8b", **kw).chosen.plan
+    assert auto.placements == chosen.placements and auto.fits
+    assert auto.options.layout_why.startswith("--layout auto")
+    pinned = plan_for_run(
         SimpleNamespace(**vars(cfg), save_attention=True), QWEN3_8B, 8, 8, 1, 2, "cuda"
     )
-    assert (
-        forced.options.save_attention
-        and not forced.fits_host
-        and forced.options.save_attention_why == "--save-attention"
-    )
+    assert pinned.recomputed_layers == 0  # --save-attention: every layer keeps its attention
     short = plan_for_run(
         SimpleNamespace(**{**vars(cfg), "seq_len": T_1M}, save_attention=None),
         QWEN3_8B,
@@ -619,14 +610,15 @@ def test_dry_run_shows_both_variants():
         "1.521e+18",
         f"{n_on:,}",
         f"{n_off:,}",
-        f"rows longer than {n_on:,} tokens need --no-save-attention",
+        f"every layer keeps its attention up to {n_on:,} tokens",
     ):
         assert s in text, s
     r = _cli("--seq-len", str(4 * T_1M), "--host-mem-gb", "2000")
     assert r.returncode == 0, r.stderr
-    assert "recomputed <- this run" in r.stdout and "auto: it would need" in r.stdout
+    mixed = "this run: inputs 34 host, 2 device; attention 22 host, 1 device, 13 recomputed"
+    assert f"{mixed} (--layout auto: the fastest that fits)" in r.stdout
     d = json.loads(_cli("--seq-len", str(4 * T_1M), "--save-attention", "--json").stdout)
-    assert d["options"]["save_attention"] is True and d["fits_host"] is False
+    assert d["options"]["save_attention"] is True and d["fits"] is False
     assert d["max_seq_len_by_save_attention"] == {"true": n_on, "false": n_off}
 
 
