@@ -21,15 +21,14 @@ layers below i still hold theirs, when most gradient shards exist. A layout that
 attention keeps the last layer's input and attention on the device (backward starts there: a copy
 back would stall it).
 
-The choice (choose_layout): the least projected step time (memory/steptime.py) of the layouts that
-fit the GPU and the host per node (memory/plan.py's fits), ties broken by the larger GPU headroom: the lower peak, then fewer
-saved bytes kept on the GPU (it is filled only where that buys speed or is needed to fit), then
-by less PCIe traffic.
-Keeping attention on more layers only shortens the step, and a layout that fits still fits with
-one layer fewer keeping it, so the search bisects for the most layers that can keep attention,
-then tries every split of those between device and host, each with the fewest device inputs that
-let the host fit (host memory is linear in the counts). tests/test_layouts.py holds it against
-brute force.
+The choice (choose_layout): the least projected step time (memory/steptime.py) of the layouts
+that fit the GPU and the host per node (memory/plan.py's fits). Ties go to the larger GPU
+headroom: the lower peak, then fewer saved bytes kept on the GPU (it is filled only where that buys
+speed or is needed to fit), then less PCIe traffic. Keeping attention on more layers only shortens
+the step, and a layout that fits still fits with one layer fewer keeping it, so the search bisects
+for the most layers that can keep attention, then tries every split of those between device and
+host, each with the fewest device inputs that let the host fit (host memory is linear in the
+counts). tests/test_layouts.py holds it against brute force.
 """
 
 from __future__ import annotations

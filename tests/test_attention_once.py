@@ -272,8 +272,9 @@ def test_probe_failure_falls_back_to_flash_with_the_reason(capsys):
     tiny = Qwen3Config.preset("tiny")
     planned = plan(tiny, 512, gpus=1, sp=1, device="cpu")
     log_attention(train.TrainConfig(seq_len=512), tiny, 1, torch.float32, c, planned)
-    line = capsys.readouterr().out.splitlines()[0]
-    assert line.startswith(f"attention: FlashAttention-2 (flash; cudnn: {boom}); "), line
+    kernel, layout = capsys.readouterr().out.splitlines()[:2]
+    assert kernel == f"attention: FlashAttention-2 (flash; cudnn: {boom})", kernel
+    assert layout.startswith("layout: inputs 2 host; attention 2 recomputed (given)"), layout
     # and a refusal becomes its one-line ConfigError
 
     if not torch.cuda.is_available():

@@ -146,7 +146,7 @@ def test_cuda_run_over_host_memory_is_refused_before_anything_runs(monkeypatch, 
     out = tmp_path / "run"
     with pytest.raises(ConfigError) as e:
         train.main(["--model", "tiny", "--steps", "1", "--out", str(out), "--gpu-mem-gb", "80"])
-    assert str(e.value).startswith("memory: no layout fits 1,024 tokens in 80 GB per GPU, 2 GB host")
+    assert str(e.value).startswith("memory: no layout fits 1,024 tokens in 80 GB per GPU, 2 GB")
     assert "(this machine's memory, a fake cgroup)" in str(e.value)
     assert "needs 4 GB host per node of 2" in str(e.value)  # the runtime share alone
     assert "no row of 1,024 tokens fits either" in str(e.value)

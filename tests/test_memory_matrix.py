@@ -11,6 +11,8 @@ count, within 1% on every layout. Steps 2 and 3 must measure the same to the byt
 machine and on a busy one.
 
 Rows are long and hidden sizes small, so that activations, not parameters, make the peak.
+Configurations marked "mixed" give each layer its own placement (memory/layouts.py's layouts):
+inputs on the host and the device, attention on the host, the device or recomputed.
 Configurations marked "save attention" run attention once (apply_offload(save_attention=True)):
 L-1 layers' attention out and lse go to the pool's host blocks, the last layer's stay on the
 device; each is paired with the same configuration without it, whose peak it must not exceed by
@@ -32,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from dist_utils import run_distributed  # noqa: E402
 
 from memory.plan import plan  # noqa: E402
+from model.checkpoint_offload import LayerPlacement  # noqa: E402
 from model.config import Qwen3Config  # noqa: E402
 from model.qwen3 import RMSNORM_CHUNK_ELEMS  # noqa: E402
 
@@ -75,6 +78,18 @@ LOSSY = replace(LIKE_8B, vocab_size=4096)  # the loss phase makes the peak
 SAVE = {"save_attention": True}
 # FSDP2 CPU offload: fp32 shards, gradients, AdamW states on the host
 CPU_OFF = {"cpu_offload": True}
+
+
+def layers(*where: str) -> dict:
+    """A mixed layout, one "input/attention" per layer from layer 0 (memory/layouts.py chooses
+    such ones): each layer's input on the host or the device, its attention on either or
+    recomputed."""
+    return {"placements": tuple(tuple(w.split("/")) for w in where)}
+
+
+# every kind at once: inputs on both, attention on the host, the device and recomputed
+MIXED = layers("host/recompute", "host/host", "device/host", "device/device")
+DEEP_8B = replace(LIKE_8B, num_hidden_layers=4)
 
 # name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk
 #        [, RMSNorm chunk][, SAVE])
@@ -122,6 +137,29 @@ MATRIX = {
         128,
         {**SAVE, **CPU_OFF},
     ),
+    "sp2 4 layers mixed": (DEEP, 2, 2, 4096, "float32", True, 0, 256, MIXED),
+    "sp2 8B-like tiled mixed": (
+        DEEP_8B,
+        2,
+        2,
+        4096,
+        "float32",
+        True,
+        256,
+        128,
+        layers("device/recompute", "host/device", "host/host", "device/device"),
+    ),
+    "dp2 x sp2 4 layers mixed cpu offload": (
+        DEEP,
+        4,
+        2,
+        4096,
+        "float32",
+        True,
+        0,
+        256,
+        {**MIXED, **CPU_OFF},
+    ),
 }
 # attention once -> the same configuration recomputing attention; the peak in a layer's backward
 # (as at the recipe: 20.8 GB there against 10.8 + 2.1 GB in the loss phase)
@@ -152,13 +190,14 @@ def _steps(rank, world, specs, rehearse=False):
     import train
     from data.loader import shard_row
     from memory.meter import StepMeter
-    from model.checkpoint_offload import apply_offload
+    from model.checkpoint_offload import LayerPlacement, apply_offload
     from model.parallel import build_mesh, build_sharded_model
     from model.qwen3 import _RMSNormFn
     from model.ulysses import UlyssesAttention
 
     out = []
-    for cfg_dict, sp, seq_len, dtype, offload, tile, chunk, norm_chunk, save, cpu_off in specs:
+    for spec in specs:
+        cfg_dict, sp, seq_len, dtype, offload, tile, chunk, norm_chunk, save, cpu_off, where = spec
         cfg, dtype = Qwen3Config(**cfg_dict), getattr(torch, dtype)
         _RMSNormFn.CHUNK_ELEMS = norm_chunk
         torch.manual_seed(0)
@@ -174,9 +213,13 @@ def _steps(rank, world, specs, rehearse=False):
             fake_mode=mode,
         )
         model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
-        pool = apply_offload(
-            model, offload=offload, min_bytes=0, tile_mlp=tile or None, save_attention=save
-        )
+        if where:  # a mixed layout: the placements say it all
+            placements = [LayerPlacement(*w) for w in where]
+            pool = apply_offload(model, min_bytes=0, tile_mlp=tile or None, placements=placements)
+        else:
+            pool = apply_offload(
+                model, offload=offload, min_bytes=0, tile_mlp=tile or None, save_attention=save
+            )
         step_cfg = train.TrainConfig(cpu_offload=cpu_off, loss_chunk=chunk, rehearse=rehearse)
         opt = train.make_optimizer(step_cfg, model)
         peaks = []
@@ -209,17 +252,19 @@ def _steps(rank, world, specs, rehearse=False):
 
 def _spec(name):
     """(config, world, sp, seq_len, dtype, offload, tile, loss chunk, norm chunk, save_attention,
-    cpu_offload)."""
+    cpu_offload, placements or None)."""
     s = MATRIX[name]
     extra = s[8:]
     flags = extra[-1] if extra and isinstance(extra[-1], dict) else {}
     nc = next((e for e in extra if isinstance(e, int)), RMSNORM_CHUNK_ELEMS)
-    return (*s[:8], nc, bool(flags.get("save_attention")), bool(flags.get("cpu_offload")))
+    save, cpu_off = bool(flags.get("save_attention")), bool(flags.get("cpu_offload"))
+    return (*s[:8], nc, save, cpu_off, flags.get("placements"))
 
 
 def _plan(name):
     """memory/plan.py's plan of a matrix layout, for the CPU path the matrix measures."""
-    c, world, sp, T, dt, off, tile, ch, nc, sa, co = _spec(name)
+    c, world, sp, T, dt, off, tile, ch, nc, sa, co, where = _spec(name)
+    given = {"placements": tuple(LayerPlacement(*w) for w in where)} if where else {}
     return plan(
         c,
         T,
@@ -234,6 +279,7 @@ def _plan(name):
         norm_chunk=nc,
         save_attention=sa,
         cpu_offload=co,
+        **given,
     )
 
 
@@ -255,10 +301,7 @@ def measure(names=None, pool=None, steps=None, rehearsed=None) -> dict:
     res = {}
     for world in sorted({MATRIX[n][1] for n in names}):
         group = [n for n in names if MATRIX[n][1] == world]
-        specs = [
-            (asdict(c), sp, T, dt, off, tile, ch, nc, sa, co)
-            for c, _, sp, T, dt, off, tile, ch, nc, sa, co in (_spec(n) for n in group)
-        ]
+        specs = [(asdict(s[0]), *s[2:]) for s in (_spec(n) for n in group)]
         ranks = run_distributed(_steps, world, specs, timeout=600)
         fake = _rehearse(world, specs) if rehearsed is not None else None
         for k, n in enumerate(group):
@@ -317,6 +360,23 @@ def test_tied_layouts_planned_within_1_percent_at_both_steps(matrix):
         print(f"{n:28} steps 1, 2 measured {_STEPS[n][:2]} planned {list(planned)}")
         for m, want in zip(_STEPS[n][:2], planned, strict=True):
             assert abs(m / want - 1) <= 0.01, (n, _STEPS[n][:2], planned)
+
+
+@pytest.mark.slow
+def test_mixed_layouts_planned_within_1_percent_at_both_steps(matrix):
+    """Each layer placed its own way: the planner counts a layer's device-kept tensors until its
+    backward frees them, and its host ones in the pool (to the byte: pinned and copied). Within
+    1% at steps 1 and 2; leaving out the attention kept on the device by the layers below the
+    one in backward lands 4% off in "sp2 8B-like tiled mixed"."""
+    mixed = [n for n in matrix if "mixed" in n]
+    assert len(mixed) == 3
+    for n in mixed:
+        p = _plan(n)
+        planned = (p.first_step_total, p.total)
+        print(f"{n:40} steps 1, 2 measured {_STEPS[n][:2]} planned {list(planned)}")
+        for m, want in zip(_STEPS[n][:2], planned, strict=True):
+            assert abs(m / want - 1) <= 0.01, (n, _STEPS[n][:2], planned)
+        assert _POOL[n][0] == _POOL[n][1], (n, _POOL[n])
 
 
 @pytest.mark.slow

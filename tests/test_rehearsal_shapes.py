@@ -44,7 +44,12 @@ SHAPES = {
     # tied: the root unit holds the gathered embedding and the loss's gradient of it (V x H each,
     # 0.31 GB in bf16) through every layer's backward
     "0.6b tied": ("qwen3-0.6b", 8, []),
+    # the layout the chooser takes for 32B at 1M (some inputs on the GPU, attention on both, the
+    # fp32 state on the host), as a --layout file: at 2 layers one host layer and one GPU layer
+    "32b mixed layout": ("qwen3-32b", 8, ["--layout", "{layout}"]),
 }
+# the layers of a "{layout}" file at 2 layers (at full depth, the dry run's own choice)
+MIXED_LAYERS = [{"input": "host", "attention": "host"}, {"input": "device", "attention": "device"}]
 # depth: (decoder layers, None: the preset's own; flags on top of the shape's). A rehearsal's time
 # is mostly the loss's per-chunk ops (the recipe's 256-row chunks: 512 of them per step at 131,072
 # tokens per rank). The few-layer versions take chunks of 2,048 rows: measured, every shape's two
@@ -101,6 +106,19 @@ def write_config(directory, preset: str, layers: int | None) -> str:
     return str(directory)
 
 
+def _layout_file(directory, model: str, world: int, layers: int | None) -> str:
+    """A --layout file: MIXED_LAYERS with the fp32 state on the host, or at full depth what the
+    dry run of the model chooses (written with --layout-out)."""
+    path = str(directory / "layout.json")
+    if layers is None:
+        argv = ["--preset", "qwen3-8b-1m", "--model", model, "--dry-run", "--layout-out", path]
+        run_train(1, *argv, env={"WORLD_SIZE": str(world)})
+    else:
+        with open(path, "w") as f:
+            json.dump({"cpu_offload": True, "layers": MIXED_LAYERS}, f)
+    return path
+
+
 @pytest.fixture(scope="module")
 def rehearsals(tmp_path_factory):
     """rehearsal.json of (shape, depth), rehearsed once for all the checks of that pair."""
@@ -112,6 +130,9 @@ def rehearsals(tmp_path_factory):
             layers, depth_flags = DEPTHS[depth]
             d = tmp_path_factory.mktemp("rehearsal")
             model = write_config(d / "model", preset, layers)
+            if "{layout}" in flags:
+                layout = _layout_file(d, model, world, layers)
+                flags = [layout if f == "{layout}" else f for f in flags]
             argv = ["--preset", "qwen3-8b-1m", "--model", model, *flags, *depth_flags]
             argv += ["--rehearse", "--out", str(d / "out")]
             # a full-depth 32B rehearsal takes minutes on a 2-core CPU
