@@ -129,6 +129,17 @@ def _kv(rng: np.random.Generator, depth: float):
 MAKERS = {"passkey": _passkey, "kv": _kv}
 
 
+def shortest_length(task: str, vocab: Vocab) -> int:
+    """The fewest inputs a case of `task` can have: the longest needles, question and answer of
+    a few draws, and 8 ids to spare (a longer key, a longer encoding)."""
+    need = 0
+    for k in range(8):
+        needles, question, answer = MAKERS[task](np.random.default_rng(k), 0.0)
+        parts = [text for _, text in needles] + [question, answer]
+        need = max(need, sum(len(vocab(t)) for t in parts))
+    return need + 8
+
+
 class RetrievalCases:
     """lengths x depths x per_cell cases of `task`, in that order; see the module docstring."""
 
@@ -145,9 +156,10 @@ class RetrievalCases:
         self.lengths, self.depths = [int(n) for n in lengths], [float(d) for d in depths]
         self.per_cell = int(per_cell)
         self.synthetic = None if filler is not None else vocab(FILLER)
-        if too_short := [n for n in self.lengths if n < self.shortest()]:
+        shortest = shortest_length(task, vocab)
+        if too_short := [n for n in self.lengths if n < shortest]:
             raise ValueError(
-                f"{task} cases need at least {self.shortest()} tokens with this vocabulary "
+                f"{task} cases need at least {shortest} tokens with this vocabulary "
                 f"(the needles, the question and the answer); got lengths {too_short}"
             )
 
@@ -158,16 +170,6 @@ class RetrievalCases:
         """(length, depth) of case i, without making it."""
         per_length = len(self.depths) * self.per_cell
         return self.lengths[i // per_length], self.depths[i % per_length // self.per_cell]
-
-    def shortest(self) -> int:
-        """The fewest inputs a case can have: the longest needles, question and answer of a few
-        draws, with room to spare for longer keys (a 7-digit key's ids and then some)."""
-        need = 0
-        for k in range(8):
-            needles, question, answer = MAKERS[self.task](np.random.default_rng(k), 0.0)
-            parts = [text for _, text in needles] + [question, answer]
-            need = max(need, sum(len(self.vocab(t)) for t in parts))
-        return need + 8
 
     def __getitem__(self, i: int) -> Case:
         if not 0 <= i < len(self):
