@@ -26,7 +26,8 @@ apart, and run/evaluate.py's eval_records leaves these out):
      "eval_time_s": s, "eval_peak_mem_gb": measured or null, "eval_planned_peak_gb": planned}
 
 OUT/retrieval_cases.jsonl: one line per case scored, at every evaluation: step, task, index,
-length, depth, logprob, correct, and the ids of the prompt and of the answer, so that anyone can
+length, depth, logprob, correct, answer_tokens, answer_hits (those that were the argmax), and the
+ids of the prompt and of the answer, so that anyone can
 score the same cases with another tool. A case's ids are JSON numbers: about 7 bytes per token,
 7 MB per case at 1M tokens (the default grid at 1M writes about 0.2 GB per evaluation).
 
@@ -242,6 +243,7 @@ def write_cases(path: str, step: int, cases, scores: torch.Tensor) -> None:
                 "logprob": scores[i, 0].item(),
                 "correct": right[i],
                 "answer_tokens": int(scores[i, 1].item()),
+                "answer_hits": int(scores[i, 2].item()),
                 "prompt": c.ids[: c.answer_start].tolist(),
                 "answer": c.answer.tolist(),
             }
