@@ -17,6 +17,12 @@ the ones the run trains on.
 When (Evaluation.due): before the first step (step 0, before any update) and after the last;
 with --eval-every N also after every N steps; 0 turns evaluation off. --eval-only evaluates once.
 
+What is measured (--eval-task, repeatable; default loss): loss, this file's held-out loss by
+position; passkey and kv, retrieval by length and depth (run/retrieval.py: its own record, with
+"eval_task", its picture OUT/retrieval.png and OUT/retrieval_cases.jsonl), in the order given.
+The retrieval haystack is the held-out rows when they are text or token ids; for synthetic rows,
+and for --eval-only --eval-task passkey without --eval-data, the synthetic filler.
+
 How (evaluate_rows): forward only, under torch.no_grad, so no layer is checkpointed or offloaded
 and the loss keeps no gradient buffers (loss/chunked_ce.py's token_losses). dp rank d takes rows
 d, d + dp, ...; a rank left without a row runs the same forward with no label counted, so every
