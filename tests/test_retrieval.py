@@ -94,6 +94,10 @@ def test_answer_logprobs_are_transformers_at_every_layout(model_dir):
         hits = sum(x["answer_hits"] for x in lines)
         recs = [r for r in eval_records(out) if r["step"] == 0]
         assert [r["eval_task"] for r in recs] == ["passkey", "kv"]
+        assert set(recs[0]) == {
+            "step", "eval", "eval_task", "accuracy", "answer_logprob", "cases", "by_length_depth",
+            "eval_time_s", "eval_peak_mem_gb", "eval_planned_peak_gb",
+        }  # fmt: skip
         accuracy[name] = [[c[2] for c in r["by_length_depth"]] for r in recs]
         print(f"{name}: worst |logprob - transformers'| {worst:.2e}, {hits} answer hits")
         assert hits > 0
@@ -156,3 +160,35 @@ def test_text_grid_has_the_picture_numbers():
     lines = text_grid("passkey", rec)
     assert lines[1].split() == ["depth", "128", "256"]
     assert lines[2].split() == ["0", "0.50", "1.00"] and lines[3].split() == ["1", "0.00", "-"]
+
+
+def test_a_tokenizer_and_held_out_text_make_the_cases(tmp_path):
+    """A model directory with a (BPE) tokenizer, --eval-data a text file: the needle, question and
+    answer are the tokenizer's ids, the haystack is the held-out text, and the log-probs are
+    transformers'."""
+    from test_data import _make_books, _train_tokenizer
+    from transformers import AutoTokenizer
+
+    books = _make_books(n=12, seed=4)
+    model = tmp_path / "model"
+    _train_tokenizer(books, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    ref = hf_model(replace(CFG, vocab_size=len(tok)), seed=3)
+    save_hf(ref, str(model))
+    (tmp_path / "books.txt").write_text("\n\n".join(books))
+    out = tmp_path / "eval"
+    run_train(
+        1, "--model", str(model), "--eval-only", "--eval-task", "passkey", "--seq-len", "256",
+        "--eval-data", str(tmp_path / "books.txt"), "--dtype", "float32", "--out", str(out),
+        "--cache-dir", str(tmp_path / "cache"), "--eval-depths", "0.5", "--eval-cases", "3",
+    )  # fmt: skip
+    lines = cases(out)
+    assert [x["length"] for x in lines] == [128] * 3 + [256] * 3
+    check_against_transformers(ref, lines)
+    for x in lines:
+        prompt, answer = tok.decode(x["prompt"]), tok.decode(x["answer"])
+        assert answer[0] == " " and answer[1:].isdigit() and 5 <= len(answer) - 1 <= 7
+        assert f"The pass key is{answer}. Remember it." in prompt
+        assert prompt.endswith("\nWhat is the pass key? The pass key is")
+        hay = prompt.split()
+        assert sum(w in hay for w in ("ship", "sailed", "north", "saw", "ice", "wrote", "sea")) >= 2
