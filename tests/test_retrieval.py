@@ -192,3 +192,25 @@ def test_a_tokenizer_and_held_out_text_make_the_cases(tmp_path):
         assert prompt.endswith("\nWhat is the pass key? The pass key is")
         hay = prompt.split()
         assert sum(w in hay for w in ("ship", "sailed", "north", "saw", "ice", "wrote", "sea")) >= 2
+
+
+@pytest.mark.slow
+def test_retrieval_peak_is_the_planned_evaluation_peak(tmp_path):
+    """2 ranks, sp 2, rows of 2048 tokens, the meter on: the retrieval evaluation's measured peak
+    is at most the evaluation's plan, and the loss evaluation's within 2% (its longest case is a
+    row; the answer's logits are a few rows)."""
+    out = tmp_path / "run"
+    run_train(
+        2, "--eval-only", "--model", "tiny", "--eval-data", "synthetic:copy", "--seq-len", "2048",
+        "--sp", "2", "--dtype", "float32", "--tile-mlp", "256", "--measure-memory",
+        "--eval-task", "passkey", "--eval-task", "loss", "--eval-cases", "1", "--out", str(out),
+    )  # fmt: skip
+    passkey, loss = eval_records(out)
+    assert passkey["eval_task"] == "passkey" and "eval_task" not in loss
+    print(
+        f"measured: passkey {passkey['eval_peak_mem_gb'] * 1e3:.4f} MB, loss "
+        f"{loss['eval_peak_mem_gb'] * 1e3:.4f} MB; planned "
+        f"{loss['eval_planned_peak_gb'] * 1e3:.4f} MB"
+    )
+    assert passkey["eval_peak_mem_gb"] <= passkey["eval_planned_peak_gb"]
+    assert passkey["eval_peak_mem_gb"] == pytest.approx(loss["eval_peak_mem_gb"], rel=0.02)
