@@ -32,7 +32,8 @@ score the same cases with another tool. A case's ids are JSON numbers: about 7 b
 7 MB per case at 1M tokens (the default grid at 1M writes about 0.2 GB per evaluation).
 
 OUT/retrieval.png: for each task, accuracy by length (x) and depth (y) at the first and at the
-last evaluation, side by side (the fine-tune's before and after); text_grid without matplotlib.
+last evaluation, side by side (the fine-tune's before and after), each cell's mean answer log-prob
+written under its accuracy (which moves before accuracy does); text_grid without matplotlib.
 """
 
 from __future__ import annotations
@@ -253,19 +254,20 @@ def write_cases(path: str, step: int, cases, scores: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------
 # The picture
 # ---------------------------------------------------------------------------------------------
-def _grid(rec: dict) -> tuple[list[int], list[float], np.ndarray]:
-    """(lengths, depths, accuracy [depths, lengths]) of a record."""
+def _grid(rec: dict, field: int = 2) -> tuple[list[int], list[float], np.ndarray]:
+    """(lengths, depths, [depths, lengths] of a cell's field: 2 accuracy, 3 mean log-prob)."""
     lengths = sorted({c[0] for c in rec["by_length_depth"]})
     depths = sorted({c[1] for c in rec["by_length_depth"]})
-    acc = np.full((len(depths), len(lengths)), np.nan)
-    for length, depth, a, _, _ in rec["by_length_depth"]:
-        acc[depths.index(depth), lengths.index(length)] = a
-    return lengths, depths, acc
+    out = np.full((len(depths), len(lengths)), np.nan)
+    for cell in rec["by_length_depth"]:
+        value = cell[field]
+        out[depths.index(cell[1]), lengths.index(cell[0])] = np.nan if value is None else value
+    return lengths, depths, out
 
 
 def draw_grids(shown: dict[str, list[dict]], path: str) -> None:
     """One row per task, one heatmap per record (its first and its last evaluation): accuracy by
-    length and depth, each cell written in."""
+    length and depth, each cell's accuracy and mean answer log-prob written in."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
     cols = max(len(r) for r in shown.values())
@@ -280,9 +282,11 @@ def draw_grids(shown: dict[str, list[dict]], path: str) -> None:
                 continue
             rec = records[col]
             lengths, depths, acc = _grid(rec)
+            logprob = _grid(rec, 3)[2]
             image = ax.imshow(acc, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
-            for (y, x), a in np.ndenumerate(acc):
-                ax.text(x, y, "-" if np.isnan(a) else f"{a:.2f}", ha="center", va="center")
+            for (y, x), a in np.ndenumerate(acc):  # accuracy, and the mean log-prob under it
+                text = "-" if np.isnan(a) else f"{a:.2f}\n{logprob[y, x]:.1f}"
+                ax.text(x, y, text, ha="center", va="center", fontsize=8)
             ax.set_xticks(range(len(lengths)), [_tokens(n) for n in lengths])
             ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
             ax.set_xlabel("case length (tokens)")
