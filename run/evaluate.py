@@ -97,8 +97,8 @@ def evaluating(cfg) -> bool:
 
 
 def eval_tasks(cfg) -> list[str]:
-    """--eval-task's tasks, in the order given: loss, passkey, kv."""
-    return cfg.eval_task.split(",")
+    """--eval-task's tasks (loss, passkey, kv), in the order given, each once."""
+    return list(dict.fromkeys(cfg.eval_task.split(",")))
 
 
 def retrieval_tasks(cfg) -> list[str]:
@@ -519,7 +519,7 @@ def start_evaluation(
     if evaluating(cfg):
         h = held_out(cfg, mesh["dp"].size())
         why_not = too_few_rows(h, cfg) if h else None
-        # Rows for the held-out loss, and for the retrieval haystack when they are text.
+        # Rows for the held-out loss, and for the retrieval haystack when they are not synthetic.
         text = h is not None and not h.source.startswith("synthetic:")
         if h is not None and not why_not and ("loss" in eval_tasks(cfg) or text):
             rows = load_held_out(h, cfg, mc, model_dir)
