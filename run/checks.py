@@ -377,7 +377,9 @@ def check_eval(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, d
         try:
             retrieval_cases(cfg, mc, model_dir, task)
         except ValueError as e:
-            raise ConfigError(f"--eval-task {task}: {e}; pass longer --eval-lengths") from None
+            raise ConfigError(
+                f"--eval-task {task}: {e}; pass longer --eval-lengths (each at most --seq-len)"
+            ) from None
     h = held_out(cfg, dp)
     if h is None or too_few_rows(h, cfg):
         return  # no held-out rows (retrieval alone), or evaluation off, said at the start
