@@ -214,3 +214,32 @@ def test_retrieval_peak_is_the_planned_evaluation_peak(tmp_path):
     )
     assert passkey["eval_peak_mem_gb"] <= passkey["eval_planned_peak_gb"]
     assert passkey["eval_peak_mem_gb"] == pytest.approx(loss["eval_peak_mem_gb"], rel=0.02)
+
+
+def test_dry_run_projects_the_retrieval_time():
+    """--dry-run's line per retrieval task: the recipe's default grid is 9 lengths x 5 depths x 2;
+    half the cases per cell is half the time, two dp groups share the cases, and a 1M case costs
+    between 2x and 4x a 512k one (attention's T^2 against the matmuls' T)."""
+    import re
+
+    from model.config import Qwen3Config as Config
+    from run.offline import retrieval_time
+    from train import parse_args
+
+    mc = Config.preset("qwen3-8b").with_yarn(32, 32768)
+
+    def seconds(*flags, dp=1):
+        cfg = parse_args(["--preset", "qwen3-8b-1m", "--eval-task", "passkey", *flags])
+        (line,) = retrieval_time(cfg, mc, 8, dp)
+        return int(re.search(r"(\d+) cases", line).group(1)), float(
+            re.search(r"about (\d+) s", line).group(1)
+        )
+
+    cases, full = seconds()
+    print(f"qwen3-8b-1m, passkey: {cases} cases, {full:.0f} s per evaluation projected")
+    assert cases == 9 * 5 * 2
+    assert seconds("--eval-cases", "1")[1] == pytest.approx(full / 2, abs=1)
+    assert seconds(dp=2)[1] == pytest.approx(full / 2, abs=1)
+    one_m, half = seconds("--eval-lengths", "1M")[1], seconds("--eval-lengths", "512k")[1]
+    assert 2 < one_m / half < 4
+    assert retrieval_time(parse_args(["--preset", "qwen3-8b-1m"]), mc, 8, 1) == []
