@@ -50,7 +50,7 @@ from model.config import ConfigError
 from model.parallel import GROUP_TIMEOUT, build_mesh
 from run.build import build_model, compute_dtype, log0, write_run_layout
 from run.checkpoint import DiskSpaceError, resume_from, rows_to_read, save_checkpoint
-from run.checks import CHOICES, check_run, open_run_dir
+from run.checks import CHOICES, EVAL_TASKS, check_run, open_run_dir
 from run.console import describe_run, fail, log0_outputs, summary_line
 from run.evaluate import evaluate_only, start_evaluation
 from run.export import export_final
@@ -66,9 +66,10 @@ IGNORE = -100  # the label the loss skips (padding, and --loss-on predictable's 
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
-def arg(default, help: str, choices: tuple | None = None):
-    """A TrainConfig field with its line of `train.py -h` (and its choices, when it has some)."""
-    return field(default=default, metadata={"help": help, "choices": choices})
+def arg(default, help: str, choices: tuple | None = None, repeat: bool = False):
+    """A TrainConfig field with its line of `train.py -h` (and its choices, when it has some);
+    repeat: the flag may be given several times, its values joined by commas."""
+    return field(default=default, metadata={"help": help, "choices": choices, "repeat": repeat})
 
 
 @dataclass
@@ -139,6 +140,20 @@ class TrainConfig:
     eval_only: bool = arg(
         False, "evaluate --model on --eval-data and exit (no training: --data, --steps unused)"
     )
+    eval_task: str = arg(
+        "loss",
+        "what an evaluation measures, the flag repeated for several: loss (held-out loss by "
+        "position), passkey or kv (retrieval at every --eval-lengths x --eval-depths)",
+        EVAL_TASKS,
+        repeat=True,
+    )
+    eval_lengths: str = arg(
+        "",
+        "retrieval case lengths, such as 4k,32k,1M; empty: powers of two from min(4096, seq_len "
+        "/ 4) to seq_len",
+    )
+    eval_depths: str = arg("0,0.25,0.5,0.75,1", "retrieval needle depths in [0, 1]")
+    eval_cases: int = arg(2, "retrieval cases per length x depth")
     out: str = arg(
         "runs/latest", "the run directory: config.json, metrics.jsonl, checkpoints/, final/"
     )

@@ -12,6 +12,7 @@ sources.py   text sources: PG-19 streamed from the hub, local .txt / .jsonl / .p
 encode.py    the tokenizer: fingerprint, parallel batch encoding, packing books into rows
 cache.py     the on-disk uint32 cache: JSON description, atomic rename, file lock
 synthetic.py the long-range copy task (no tokenizer needed)
+retrieval.py passkey and key-value retrieval cases (a needle at a depth, a question, its answer)
 loader.py    shard_row (shift, then shard, global positions) and the resumable RowLoader
 """
 

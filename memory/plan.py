@@ -27,9 +27,11 @@ of the fp32 state (the parameter shards and AdamW's states, which exist during a
 evaluations): a layer's forward (the layer gathered, and another one: the next one prefetched,
 or on CPU the all-gather's output still held), the final norm with [norm + lm_head] being
 gathered, and the chunked loss without its gradient buffers; Plan.eval_total, at most
-Plan.total. device="cuda" adds what a CUDA kernel allocates inside itself (FlashAttention's
-fp32 dq accumulator); fused_norm=False models an RMSNorm left to autograd (transformers'), which
-also saves an fp32 copy of its input and the normalised bf16 tensor.
+Plan.total. It is the retrieval evaluation's too (run/retrieval.py): a case is at most a row, and
+its answer's logits ([answer tokens, V], a few rows) come after the loss's chunks are freed.
+device="cuda" adds what a CUDA kernel allocates inside itself (FlashAttention's fp32 dq
+accumulator); fused_norm=False models an RMSNorm left to autograd (transformers'), which also
+saves an fp32 copy of its input and the normalised bf16 tensor.
 
 Attention once (save_attention, model/checkpoint_offload.py's apply_offload(save_attention=True)):
 each layer's attention output [T, nh/sp, hd] and fp32 log-sum-exp [nh/sp, T] are kept from the

@@ -4,6 +4,8 @@
     cfg, model, pool, planned = build_model(cfg, mc, model_dir, mesh, dp, device, dtype)
     cfg, model, backend = sharded_model(cfg, mc, model_dir, mesh, device, dtype)  # --eval-only
     log0("printed by rank 0 only")        # train.py's console lines too
+    reshard(model)                        # after a forward alone (an evaluation's)
+    device = compute_device(mesh)         # where an evaluation's rows go
 
 build_model does five things, each where it is for a reason:
 
@@ -40,6 +42,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from memory.choices import plan_for_run
 from memory.layouts import Candidate, why_not, write_layout
@@ -255,3 +258,19 @@ def reserve_host_blocks(pool, cfg, mc, sp, dtype, device, placements) -> None:
             seconds + r["seconds"],
         )
     log0(f"offload: pinned {pinned / 2**30:.2f} GiB in {blocks} host blocks in {seconds:.1f} s")
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every FSDP2 unit's gathered parameters. The units that stay gathered after forward
+    (the root, [norm + lm_head], the last layer) are freed by backward in training; after a
+    forward alone they would stay, into the next row's forward or the next training step."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def compute_device(mesh) -> torch.device:
+    """This rank's GPU, or the CPU: where the rows go (the model's shards may be on the host)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

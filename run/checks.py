@@ -49,6 +49,7 @@ CHOICES = {
     "dtype": ("auto", "bfloat16", "float32", "float16"),
     "save_dtype": ("bfloat16", "float16", "float32"),
 }
+EVAL_TASKS = ("loss", "passkey", "kv")
 INF = math.inf
 DRY_RUN_HOST_MEM_GB = 2000.0  # a dry run plans for the target node, not the machine it runs on
 DRY_RUN_GPU_MEM_GB = 80.0  # and for an 80 GB GPU (H100)
@@ -93,6 +94,14 @@ def _rules(c) -> list[tuple[str, bool, str]]:
             c.eval_every >= -1,
             "-1 (before the first step and after the last), 0 (off) or a number of steps",
         ),
+        ("eval_task", set(c.eval_task.split(",")) <= set(EVAL_TASKS), "loss, passkey or kv"),
+        (
+            "eval_lengths",
+            _lengths_hold(c.eval_lengths, c.seq_len),
+            "empty or lengths of at most --seq-len, comma-separated, such as 4k,32k,1M",
+        ),
+        ("eval_depths", _depths_hold(c.eval_depths), "depths in [0, 1], such as 0,0.5,1"),
+        ("eval_cases", c.eval_cases >= 1, "a positive number of cases per cell, such as 2"),
         (
             "gpu_mem_gb",
             0 < c.gpu_mem_gb < INF,
@@ -107,6 +116,24 @@ def _rules(c) -> list[tuple[str, bool, str]]:
             "0 (this machine's memory) or a positive number of GB per node, such as 2000",
         ),
     ]
+
+
+def _lengths_hold(text: str, seq_len: int) -> bool:
+    from run.retrieval import parse_lengths
+
+    try:
+        return not text or all(1 <= n <= seq_len for n in parse_lengths(text))
+    except ValueError:
+        return False
+
+
+def _depths_hold(text: str) -> bool:
+    from run.retrieval import parse_depths
+
+    try:
+        return all(0 <= d <= 1 for d in parse_depths(text))
+    except ValueError:
+        return False
 
 
 def flag(name: str) -> str:
@@ -371,14 +398,23 @@ def check_data(
 
 def check_eval(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, dp: int) -> None:
     """The evaluation's rows (run/evaluate.py's held_out), checked as check_data checks --data:
-    the source resolves, does not overlap the training rows, and holds what --eval-rows asks."""
-    from run.evaluate import evaluating, held_out, too_few_rows
+    the source resolves, does not overlap the training rows, and holds what --eval-rows asks;
+    and every retrieval task's cases fit their lengths (run/retrieval.py's retrieval_cases)."""
+    from run.evaluate import evaluating, held_out, retrieval_tasks, too_few_rows
+    from run.retrieval import retrieval_cases
 
     if not evaluating(cfg):
         return
+    for task in retrieval_tasks(cfg):  # the cases fit their lengths with the model's vocabulary
+        try:
+            retrieval_cases(cfg, mc, model_dir, task)
+        except ValueError as e:
+            raise ConfigError(
+                f"--eval-task {task}: {e}; pass longer --eval-lengths (each at most --seq-len)"
+            ) from None
     h = held_out(cfg, dp)
-    if too_few_rows(h, cfg):
-        return  # evaluation off, said at the start of the run
+    if h is None or too_few_rows(h, cfg):
+        return  # no held-out rows (retrieval alone), or evaluation off, said at the start
     as_data = dataclasses.replace(cfg, data=h.source, seed=h.seed, loss_on="all")
     try:
         check_data(as_data, mc, model_dir, random_init, h.first_row + cfg.eval_rows)

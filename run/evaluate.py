@@ -17,6 +17,12 @@ the ones the run trains on.
 When (Evaluation.due): before the first step (step 0, before any update) and after the last;
 with --eval-every N also after every N steps; 0 turns evaluation off. --eval-only evaluates once.
 
+What is measured (--eval-task, repeatable; default loss): loss, this file's held-out loss by
+position; passkey and kv, retrieval by length and depth (run/retrieval.py: its own record, with
+"eval_task", its picture OUT/retrieval.png and OUT/retrieval_cases.jsonl), in the order given.
+The retrieval haystack is the held-out rows when they are text or token ids; for synthetic rows,
+and for --eval-only --eval-task passkey without --eval-data, the synthetic filler.
+
 How (evaluate_rows): forward only, under torch.no_grad, so no layer is checkpointed or offloaded
 and the loss keeps no gradient buffers (loss/chunked_ce.py's token_losses). dp rank d takes rows
 d, d + dp, ...; a rank left without a row runs the same forward with no label counted, so every
@@ -48,7 +54,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from data import build_rows, shard_row, sources
 from data.cache import token_cache_dir
@@ -57,7 +62,8 @@ from loss.chunked_ce import token_losses
 from memory.meter import StepMeter
 from model.config import ConfigError, Qwen3Config
 from model.parallel import build_mesh
-from run.build import build_model, compute_dtype
+from run import retrieval
+from run.build import build_model, compute_device, compute_dtype, reshard
 from run.steplog import StepLog, finite_or_none
 
 IGNORE = -100  # the label nobody counts: shard_row's padding, token_losses' ignore_index
@@ -90,6 +96,15 @@ def evaluating(cfg) -> bool:
     return bool(cfg.eval_only or cfg.eval_every)
 
 
+def eval_tasks(cfg) -> list[str]:
+    """--eval-task's tasks (loss, passkey, kv), in the order given, each once."""
+    return list(dict.fromkeys(cfg.eval_task.split(",")))
+
+
+def retrieval_tasks(cfg) -> list[str]:
+    return [t for t in eval_tasks(cfg) if t != "loss"]
+
+
 def train_rows(cfg, dp: int) -> int:
     """The rows the run trains on: dp ranks x grad_accum rows per step (none with --eval-only)."""
     return 0 if cfg.eval_only else cfg.steps * cfg.grad_accum * dp
@@ -107,8 +122,9 @@ def _identity(source: str):
     return ("path", os.path.realpath(source))
 
 
-def held_out(cfg, dp: int) -> HeldOut:
-    """The evaluation's rows for this run (see the module docstring), or a ConfigError."""
+def held_out(cfg, dp: int) -> HeldOut | None:
+    """The evaluation's rows for this run (see the module docstring), or a ConfigError; None:
+    --eval-only without --eval-data for retrieval alone (its haystack is then synthetic)."""
     src = cfg.eval_data
     if src:
         if (
@@ -122,6 +138,8 @@ def held_out(cfg, dp: int) -> HeldOut:
             )
         seed = cfg.seed + 1 if src.startswith("synthetic:") else cfg.seed
         return HeldOut(src, seed, 0, given=True)
+    if cfg.eval_only and "loss" not in eval_tasks(cfg):
+        return None
     if cfg.eval_only:
         raise ConfigError(
             "--eval-only needs --eval-data: the rows to evaluate, such as pg19:validation, "
@@ -175,22 +193,6 @@ def bucket_edges(seq_len: int) -> list[int]:
         edges.append(e)
         e *= 2
     return edges + [seq_len]
-
-
-def reshard(model: torch.nn.Module) -> None:
-    """Free every FSDP2 unit's gathered parameters. The units that stay gathered after forward
-    (the root, [norm + lm_head], the last layer) are freed by backward in training; after a
-    forward alone they would stay, into the next row's forward or the next training step."""
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-
-
-def compute_device(mesh) -> torch.device:
-    """This rank's GPU, or the CPU: where the rows go (the model's shards may be on the host)."""
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 @torch.no_grad()
@@ -362,36 +364,51 @@ def eval_records(path: str) -> list[dict]:
     """The evaluation records of a metrics file (an earlier launch's too, when resumed)."""
     with open(path) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    return [r for r in records if r.get("eval")]
+    return [r for r in records if r.get("eval") and "eval_task" not in r]  # retrieval's: apart
 
 
 # ---------------------------------------------------------------------------------------------
 # A run's evaluations
 # ---------------------------------------------------------------------------------------------
 class Evaluation:
-    """The held-out evaluations of one launch; see the module docstring. rows None: none."""
+    """The evaluations of one launch; see the module docstring. rows: the held-out rows (None:
+    none); retrieval: {task: its cases} (run/retrieval.py); neither: evaluation off."""
 
-    def __init__(self, cfg, mc, rows, mesh, log, plan, *, measure, optimizer, pool):
+    def __init__(self, cfg, mc, rows, mesh, log, plan, *, measure, optimizer, pool, retrieval):
         self.cfg, self.mc, self.rows, self.mesh, self.log = cfg, mc, rows, mesh, log
         self.planned_gb = plan.eval_total / 1e9
         self.measure, self.optimizer, self.pool = measure, optimizer, pool
         self.edges = bucket_edges(cfg.seq_len)
+        self.loss = rows is not None and "loss" in eval_tasks(cfg)
+        self.retrieval = retrieval
         self.done: list[int] = []
         self.draws = can_draw()
 
     def due(self, step: int) -> bool:
         every = self.cfg.eval_every
-        if self.rows is None or step in self.done:
+        if not (self.loss or self.retrieval) or step in self.done:
             return False
         if self.cfg.eval_only:
             return step == 0
         return step in (0, self.cfg.steps) or (every > 0 and step % every == 0)
 
-    def at(self, model, step: int) -> dict | None:
-        """Evaluate after `step` steps (0: before any) if it is due; the record, else None."""
-        return self.run(model, step) if self.due(step) else None
+    def at(self, model, step: int) -> list[dict]:
+        """Evaluate after `step` steps (0: before any) if it is due: one record per task."""
+        return self.run(model, step) if self.due(step) else []
 
-    def run(self, model, step: int) -> dict:
+    def run(self, model, step: int) -> list[dict]:
+        records = []
+        for task in eval_tasks(self.cfg):
+            if task == "loss" and self.loss:
+                records.append(self.run_loss(model, step))
+            elif task in self.retrieval:
+                records.append(self.run_retrieval(model, step, task))
+        self.done.append(step)
+        return records
+
+    def measured(self, model, fn) -> tuple:
+        """(fn(), seconds, the largest rank's peak GB or None): fn run with the meter on when
+        the run measures (CUDA, or --measure-memory)."""
         meter = None
         if self.measure:
             meter = StepMeter(
@@ -402,11 +419,18 @@ class Evaluation:
                 host_state=self.cfg.cpu_offload,
             ).start()
         t0 = time.perf_counter()
-        totals = evaluate_rows(
-            model, self.rows, self.mesh, self.edges, loss_chunk=self.cfg.loss_chunk
-        )
+        out = fn()
         seconds = time.perf_counter() - t0
         peak = meter.stop_all_ranks() / 1e9 if meter else None
+        return out, seconds, peak
+
+    def run_loss(self, model, step: int) -> dict:
+        totals, seconds, peak = self.measured(
+            model,
+            lambda: evaluate_rows(
+                model, self.rows, self.mesh, self.edges, loss_chunk=self.cfg.loss_chunk
+            ),
+        )
         rec = eval_record(
             step,
             totals,
@@ -419,59 +443,139 @@ class Evaluation:
         warning = context_warning(rec, self.mc) if step == 0 else None
         if warning:
             self.log.say(warning)
-        self.done.append(step)
         return rec
 
-    def finish(self) -> str | None:
-        """Rank 0, at the end: the picture of the first and the last evaluation in the metrics
-        file (or its text table without matplotlib); returns the picture's path, if drawn."""
-        if self.rows is None or not self.done or dist.get_rank() != 0:
-            return None
-        records = eval_records(self.log.path)
+    def run_retrieval(self, model, step: int, task: str) -> dict:
+        cases = self.retrieval[task]
+        scores, seconds, peak = self.measured(
+            model,
+            lambda: retrieval.score_cases(model, cases, self.mesh, loss_chunk=self.cfg.loss_chunk),
+        )
+        rec = retrieval.retrieval_record(
+            step,
+            cases,
+            scores,
+            eval_time_s=seconds,
+            eval_peak_mem_gb=peak,
+            eval_planned_peak_gb=self.planned_gb,
+        )
+        line = retrieval.console_line(rec, len(cases.lengths), len(cases.depths))
+        self.log.write(rec, line, retrieval.reporter_scalars(rec))
+        if dist.get_rank() == 0:
+            retrieval.write_cases(
+                os.path.join(self.cfg.out, retrieval.CASES_FILE), step, cases, scores
+            )
+        return rec
+
+    def finish(self) -> list[str]:
+        """Rank 0, at the end: the pictures of the first and the last evaluation in the metrics
+        file (or their text tables without matplotlib); returns the paths drawn."""
+        if not self.done or dist.get_rank() != 0:
+            return []
+        with open(self.log.path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        drawn = []
+        if self.loss:
+            drawn += self.finish_loss(eval_records(self.log.path))
+        if self.retrieval:
+            drawn += self.finish_retrieval(retrieval.records_by_task(records))
+        return drawn
+
+    def finish_loss(self, records: list[dict]) -> list[str]:
         shown = [records[0], records[-1]] if len(records) > 1 else records[:1]
         if not self.draws:
             for line in text_table(shown):
                 self.log.say(line)
-            return None
+            return []
         path = os.path.join(self.cfg.out, PICTURE)
         draw(shown, path, original_context(self.mc))
         steps = " -> ".join(f"step {r['step']}" for r in shown)
         self.log.say(f"eval: loss by position, {steps}: {path}")
-        return path
+        return [path]
+
+    def finish_retrieval(self, by_task: dict[str, list[dict]]) -> list[str]:
+        shown = {t: [r[0], r[-1]] if len(r) > 1 else r[:1] for t, r in by_task.items()}
+        if not self.draws:
+            for task, records in shown.items():
+                for rec in records:
+                    for line in retrieval.text_grid(task, rec):
+                        self.log.say(line)
+            return []
+        path = os.path.join(self.cfg.out, retrieval.PICTURE)
+        retrieval.draw_grids(shown, path)
+        steps = " -> ".join(f"step {r['step']}" for r in next(iter(shown.values())))
+        self.log.say(f"eval: retrieval by length and depth, {steps}: {path}")
+        return [path]
 
 
 def start_evaluation(
     model, optimizer, pool, cfg, mc, model_dir, mesh, log, plan, *, start: int, measure: bool
 ) -> Evaluation:
-    """The launch's Evaluation, its rows loaded, its plan said, and step 0 evaluated (a fresh
-    run's; a resumed one has it in its metrics file). optimizer and pool (the offload pool): what
-    the meter counts as held before the evaluation (None: nothing); plan: memory/plan.py's."""
-    rows, why_not = None, None
+    """The launch's Evaluation, its rows and retrieval cases made, its plan said, and step 0
+    evaluated (a fresh run's; a resumed one has it in its metrics file). optimizer and pool (the
+    offload pool): what the meter counts as held before the evaluation (None: nothing); plan:
+    memory/plan.py's."""
+    rows, why_not, h, cases = None, None, None, {}
     if evaluating(cfg):
         h = held_out(cfg, mesh["dp"].size())
-        why_not = too_few_rows(h, cfg)
-        rows = None if why_not else load_held_out(h, cfg, mc, model_dir)
+        why_not = too_few_rows(h, cfg) if h else None
+        # Rows for the held-out loss, and for the retrieval haystack when they are not synthetic.
+        text = h is not None and not h.source.startswith("synthetic:")
+        if h is not None and not why_not and ("loss" in eval_tasks(cfg) or text):
+            rows = load_held_out(h, cfg, mc, model_dir)
+        if not why_not:
+            filler = rows if text else None
+            cases = {
+                t: retrieval.retrieval_cases(cfg, mc, model_dir, t, filler)
+                for t in retrieval_tasks(cfg)
+            }
     evaluation = Evaluation(
-        cfg, mc, rows, mesh, log, plan, measure=measure, optimizer=optimizer, pool=pool
+        cfg,
+        mc,
+        rows,
+        mesh,
+        log,
+        plan,
+        measure=measure,
+        optimizer=optimizer,
+        pool=pool,
+        retrieval=cases,
     )
     if why_not:
         log.say(f"eval: off: {why_not}")
-    if rows is None:
+    if not (evaluation.loss or evaluation.retrieval):
         return evaluation
-    when = "once" if cfg.eval_only else "before the first step and after the last"
-    if cfg.eval_every > 0 and not cfg.eval_only:
-        when = f"at step 0, every {cfg.eval_every} steps and after the last"
-    picture = "" if evaluation.draws else " (no matplotlib: the picture is a text table)"
-    sp, dp = mesh["sp"].size(), mesh["dp"].size()
-    log.say(
-        f"eval: {len(rows)} row{'s' * (len(rows) > 1)} of {cfg.seq_len:,} tokens from "
-        f"{h.describe()} on sp {sp} x dp {dp}, {when}; loss in {len(evaluation.edges) - 1} "
-        f"position buckets{picture}; peak {plan.eval_total / 1e9:.3g} GB per GPU planned"
-        + ("" if cfg.eval_only else f" (a training step: {plan.total / 1e9:.3g} GB)")
-    )
+    say_evaluation(evaluation, h, mesh, plan)
     if start == 0:  # a resumed run's metrics file has its evaluations up to `start`
         evaluation.at(model, 0)
     return evaluation
+
+
+def say_evaluation(evaluation: Evaluation, h: HeldOut | None, mesh, plan) -> None:
+    """The start of the run's lines about its evaluations: what, on what, when, planned peak."""
+    cfg, log = evaluation.cfg, evaluation.log
+    when = "once" if cfg.eval_only else "before the first step and after the last"
+    if cfg.eval_every > 0 and not cfg.eval_only:
+        when = f"at step 0, every {cfg.eval_every} steps and after the last"
+    sp, dp = mesh["sp"].size(), mesh["dp"].size()
+    peak = f"peak {plan.eval_total / 1e9:.3g} GB per GPU planned" + (
+        "" if cfg.eval_only else f" (a training step: {plan.total / 1e9:.3g} GB)"
+    )
+    if evaluation.loss:
+        rows = evaluation.rows
+        picture = "" if evaluation.draws else " (no matplotlib: the picture is a text table)"
+        log.say(
+            f"eval: {len(rows)} row{'s' * (len(rows) > 1)} of {cfg.seq_len:,} tokens from "
+            f"{h.describe()} on sp {sp} x dp {dp}, {when}; loss in {len(evaluation.edges) - 1} "
+            f"position buckets{picture}; {peak}"
+        )
+    for task, cases in evaluation.retrieval.items():
+        hay = "synthetic filler" if cases.filler is None else h.describe()
+        lengths = ", ".join(f"{n:,}" for n in cases.lengths)
+        log.say(
+            f"eval {task}: {len(cases)} cases (lengths {lengths} x {len(cases.depths)} depths x "
+            f"{cases.per_cell}) in {hay} on sp {sp} x dp {dp}, {when}; {peak}"
+        )
 
 
 def evaluate_only(cfg, mc, model_dir, sp: int, dp: int, rank: int, device) -> None:

@@ -6,9 +6,11 @@
 
 Each field becomes --field-name (underscores as dashes); a field made with metadata {"help",
 "choices"} gets that help line, ending in its default and choices; a bool field gets --x and
---no-x. The value of a field is, from weakest to strongest: the dataclass default, then --preset
-NAME (PRESETS[NAME] = (one line, {field: value})) or --config FILE (a run's OUT/config.json:
-every field, so it reruns that run), then the flags given. A bad flag or file ends in one line
+--no-x; a str field with metadata {"repeat": True} takes the flag several times, its values
+joined by commas (--eval-task loss --eval-task passkey: "loss,passkey"). The value of a field
+is, from weakest to strongest: the dataclass default, then --preset NAME (PRESETS[NAME] = (one
+line, {field: value})) or --config FILE (a run's OUT/config.json: every field, so it reruns that
+run), then the flags given. A bad flag or file ends in one line
 and exit 2, like every other refusal of train.py.
 """
 
@@ -38,6 +40,9 @@ def add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> Non
     flag = "--" + f.name.replace("_", "-")
     if f.type.startswith("bool"):
         kind = dict(action=argparse.BooleanOptionalAction)
+    elif f.metadata.get("repeat"):
+        more += "; repeatable"
+        kind = dict(action="append", metavar=f.name.upper(), choices=choices)
     else:
         value_type = {"int": int, "float": float}.get(f.type, str)
         kind = dict(type=value_type, metavar=f.name.upper(), choices=choices)
@@ -86,4 +91,7 @@ def parse_flags(cls, presets: dict, argv=None, *, description: str = ""):
     if config_path:
         base = read_config_file(cls, config_path)
     flags = {k: v for k, v in given.items() if v is not None}
+    for k, v in flags.items():
+        if isinstance(v, list):  # a repeated flag's values (add_field_flag)
+            flags[k] = ",".join(v)
     return cls(**{**base, **flags})

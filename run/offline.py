@@ -29,8 +29,9 @@ import torch
 
 from memory.choices import layout_for_run, plan_for_run
 from memory.layouts import format_choice, write_layout
+from memory.model_size import step_flops
 from memory.report import format_plan
-from memory.steptime import read_calibration
+from memory.steptime import assumed_rates, read_calibration
 from memory.sweep import format_sweep, sweep
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
@@ -82,8 +83,46 @@ def dry_run(cfg) -> None:
     if cfg.layout_out:
         write_layout(cfg.layout_out, p)
         print(f"layout written to {cfg.layout_out} (train.py --layout {cfg.layout_out})")
+    for line in retrieval_time(cfg, mc, sp, dp, rates):
+        print(line)
     if cfg.sweep:
         print("\n" + format_sweep(p, sweep(p, rates)))
+
+
+def retrieval_time(cfg, mc, sp: int, dp: int, rates=None) -> list[str]:
+    """One line per --eval-task passkey / kv: its cases and their forwards' time per evaluation,
+    projected from the kernels' rates (memory/steptime.py's, or --calibration's) with the cases
+    split over the dp groups; the forward's FSDP gathers and Ulysses exchange are not counted.
+    The peak is the plan's "an evaluation" row: the longest case is at most a row."""
+    from data.retrieval import default_lengths
+    from run.retrieval import parse_depths, parse_lengths
+
+    tasks = [t for t in dict.fromkeys(cfg.eval_task.split(",")) if t != "loss"]
+    if not tasks or not (cfg.eval_only or cfg.eval_every):
+        return []
+    r = rates or assumed_rates()
+    lengths = parse_lengths(cfg.eval_lengths) if cfg.eval_lengths else default_lengths(cfg.seq_len)
+    per_length = len(parse_depths(cfg.eval_depths)) * cfg.eval_cases
+    seconds = 0.0
+    for n in lengths:
+        f = step_flops(mc, n)  # one case's forward: its matmuls at the matmul rate, attention
+        matmul = (f["dense_fwd"] + f["lm_head_fwd"]) / (r.matmul_tflops * 1e12 * sp)
+        seconds += per_length * (matmul + f["attention_fwd"] / (r.attention_fwd_tflops * 1e12 * sp))
+    cases = per_length * len(lengths)
+    return [
+        f"eval {task}: {cases} cases of {_tokens(lengths[0])}-{_tokens(lengths[-1])} tokens, "
+        f"about {seconds / dp:.0f} s per evaluation (one forward each on sp {sp}, dp {dp} at a "
+        f"time, at the step projection's kernel rates; transfers not counted); peak: the "
+        f"plan's evaluation row"
+        for task in tasks
+    ]
+
+
+def _tokens(n: int) -> str:
+    for unit, size in (("M", 2**20), ("k", 2**10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return f"{n:,}"
 
 
 def rehearse(cfg, make_optimizer, train_step) -> None:

@@ -253,9 +253,10 @@ def test_a_layout_file_repeats_a_run_and_wrong_ones_are_refused(model_dir, tmp_p
     again = tmp_path / "again"
     p = run_train(2, *_flags(d, again, "--sp", "2", "--layout", str(saved)))
     assert f"(--layout {saved})" in p.stdout
-    assert json.loads(saved.read_text())["layers"] == json.loads(
-        (again / "layout.json").read_text()
-    )["layers"]
+    assert (
+        json.loads(saved.read_text())["layers"]
+        == json.loads((again / "layout.json").read_text())["layers"]
+    )
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**json.loads(saved.read_text()), "layers": [{"input": "gpu"}]}))
     for flags, says in (
