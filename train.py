@@ -162,6 +162,15 @@ class TrainConfig:
     )
     cache_dir: str = arg("", "token cache; empty: $QWEN3_1M_CACHE, else ~/.cache/qwen3-1m")
     eos_token: str = arg("", "separator between documents; empty: the tokenizer's eos token")
+    documents: str = arg(
+        "stream",
+        "stream: a row is one sequence; masked: each end-of-text token ends a document "
+        "(attention within it, positions from 0, no label across)",
+        CHOICES["documents"],
+    )
+    eos_id: int = arg(
+        -1, "the end-of-text id for --documents masked; -1: the text source's --eos-token"
+    )
     gpu_mem_gb: float = arg(80.0, "GPU memory per GPU, for the memory plan")
     host_mem_gb: float = arg(
         0.0, "host GB per node, for the plan and its checks; 0: this machine's, 2000 in --dry-run"
@@ -380,7 +389,8 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
     count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
     loss_sum = torch.zeros((), dtype=torch.float64, device=count.device)
     for batch in micro_batches:
-        hidden = model(batch["input_ids"], batch["position_ids"])  # [1, T/sp, hidden]
+        # doc_lens: the row's documents (--documents masked), attention within each
+        hidden = model(batch["input_ids"], batch["position_ids"], batch.get("doc_lens"))
         micro_loss = chunked_cross_entropy(
             hidden.flatten(0, 1),  # [T/sp, hidden]
             model.lm_head.weight,
@@ -447,6 +457,16 @@ def main(argv=None) -> None:
 # ---------------------------------------------------------------------------------------------
 # The run: what it is (run/console.py), its model (run/build.py), resume, the steps, the save
 # ---------------------------------------------------------------------------------------------
+def document_eos(cfg: TrainConfig, rows) -> int | None:
+    """The id that ends a document under --documents masked (None: stream): --eos-id, else the
+    one a text source's rows were joined with."""
+    if cfg.documents != "masked":
+        return None
+    if cfg.eos_id >= 0:
+        return cfg.eos_id
+    return int(rows.meta["eos_id"])  # run/checks.py asked for --eos-id where there is none
+
+
 def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) -> None:
     """The run main() checked: `mc` the model's config, model_dir its weights (None: init)."""
     torch.manual_seed(cfg.seed)
@@ -475,7 +495,13 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
     cfg, model, pool, planned = build_model(cfg, mc, model_dir, mesh, dp, device, dtype)
 
     loader = RowLoader(
-        rows, mesh["dp"].get_local_rank(), dp, mesh["sp"].get_local_rank(), sp, device=device
+        rows,
+        mesh["dp"].get_local_rank(),
+        dp,
+        mesh["sp"].get_local_rank(),
+        sp,
+        device=device,
+        eos_id=document_eos(cfg, rows),
     )
     optimizer = make_optimizer(cfg, model)
     start = resume_from(cfg, model, optimizer, loader, rank)

@@ -47,6 +47,7 @@ CHOICES = {
     "loss_on": ("all", "predictable"),
     "dtype": ("auto", "bfloat16", "float32", "float16"),
     "save_dtype": ("bfloat16", "float16", "float32"),
+    "documents": ("stream", "masked"),
 }
 INF = math.inf
 DRY_RUN_HOST_MEM_GB = 2000.0  # a dry run plans for the target node, not the machine it runs on
@@ -134,6 +135,12 @@ def check_flags(cfg) -> None:
         if getattr(cfg, name) not in allowed:
             raise ConfigError(
                 f"{flag(name)} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}"
+            )
+    if getattr(cfg, "documents", "stream") == "masked" and getattr(cfg, "eos_id", -1) < 0:
+        if cfg.data.startswith(("synthetic:", "tokens:")):
+            raise ConfigError(
+                f"--documents masked on {cfg.data}: token ids carry no end-of-text token to "
+                f"split documents at; pass --eos-id N (the id that ends each document)"
             )
     if cfg.loss_on == "predictable" and not cfg.data.startswith("synthetic:"):
         raise ConfigError(

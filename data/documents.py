@@ -1,0 +1,47 @@
+"""Documents in a row: where each ends, its positions from 0, and the labels that stay inside it.
+
+    docs = row_documents(row, eos_id)     # row: T + 1 ids (inputs, then the last label)
+    docs.lengths                          # (n1, n2, ...): each document's tokens, summing to T
+    docs.position_ids                     # int64 [T]: 0, 1, ... restarting after every eos
+    docs.first                            # bool [T]: the label at i is the next document's start
+
+With `--documents masked` every end-of-text token ends its document: the document is its tokens
+up to and including the eos, and the next one starts after it. Attention stays inside a document
+(model/attention.py runs causal attention on each document's segment of the row), RoPE positions
+restart at 0, and no label predicts a next document's first token: the label at an eos (the
+token after it) is ignored, while the eos itself is predicted by its document's last token.
+A document cut by the row's end is the last segment of that row; the next row starts its rest
+as a new document at position 0 (a row never knows what came before it).
+
+Only the inputs (the row's first T ids) decide the segments. A row of 1M tokens costs one pass
+over its ids in numpy here; the lengths are plain ints, handed to attention as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["RowDocuments", "row_documents"]
+
+
+@dataclass(frozen=True)
+class RowDocuments:
+    lengths: tuple[int, ...]  # tokens of each document, in order; sum = T
+    position_ids: np.ndarray  # int64 [T]: the place of each token inside its document
+    first: np.ndarray  # bool [T]: input i is an eos, so label i starts the next document
+
+
+def row_documents(row: Any, eos_id: int) -> RowDocuments:
+    """The documents of one row of T + 1 ids (see the module docstring)."""
+    inputs = np.asarray(row[:-1])  # [T]; a memmap slice is read once here
+    t = inputs.shape[0]
+    is_eos = inputs == eos_id  # [T]
+    ends = np.flatnonzero(is_eos) + 1  # a document ends right after each of its eos tokens
+    starts = np.concatenate(([0], ends[ends < t]))  # [documents]: where each one begins
+    lengths = np.diff(np.append(starts, t))  # [documents]
+    # Position i minus the start of i's document: one repeat of each start per document token.
+    position_ids = np.arange(t, dtype=np.int64) - np.repeat(starts, lengths)
+    return RowDocuments(tuple(int(n) for n in lengths), position_ids, is_eos)

@@ -1,0 +1,124 @@
+"""--documents masked through train.py against transformers run on each document by itself.
+
+Two rows of 64 + 1 tokens, each a few documents ending in the end-of-text id: row 0 has a
+one-token document and boundaries exactly at the sp shard boundaries (16, 32, 48), row 1 has
+documents spanning them (and another one-token document); the last document of each row is cut
+by the row's end. The reference is transformers' Qwen3ForCausalLM run on every document alone
+(positions from 0, nothing else to attend to), the loss summed over every label inside a
+document (the label after an eos is a next document's first token: not counted) and divided by
+their count, and the gradient of that. Every layout's first step must give its loss and gradient
+norm within 1e-6: 1 process, sp 2 with offload, a tiled MLP and attention once, sp 4 with kv
+heads repeated, dp 2 x sp 2 with and without attention once.
+"""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from dist_utils import run_train
+from hf_ref import hf_model, save_hf
+from test_train import CFG, _common, metrics
+
+from data.loader import shard_row
+
+EOS = CFG.vocab_size - 1  # the end-of-text id; no other token takes it
+T = 64
+# Each row's documents by length (tokens, the eos included); the last is cut by the row's end.
+ROW_DOCS = [
+    [5, 1, 10, 16, 7, 13, 12],  # ends at 5, 6, 16, 32 (sp 2 and 4), 39, 52: [39, 52) spans 48
+    [20, 25, 1, 18],  # [20, 45) spans 32, [46, 64) spans 48, a one-token document at 45
+]
+
+
+def make_row(rng, lengths: list[int]) -> np.ndarray:
+    """T + 1 ids: each document random ids then the eos, the last one running past T."""
+    assert sum(lengths) == T
+    parts = [np.append(rng.integers(0, EOS, n - 1), EOS) for n in lengths[:-1]]
+    parts.append(rng.integers(0, EOS, lengths[-1] + 1))  # cut: its label at T continues it
+    return np.concatenate(parts)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("documents")
+    ref = hf_model(CFG, seed=3)
+    save_hf(ref, str(d / "model"))
+    rng = np.random.default_rng(0)
+    rows = np.stack([make_row(rng, docs) for docs in ROW_DOCS])  # [2, T + 1]
+    np.save(d / "tokens.npy", rows)
+    return d, ref, rows
+
+
+def per_document_reference(ref, rows) -> tuple[float, float, int]:
+    """transformers on each document alone: (loss, grad norm, labels counted)."""
+    ref.zero_grad()
+    loss_sum, count = 0.0, 0
+    for row, lengths in zip(rows, ROW_DOCS, strict=True):
+        start = 0
+        for i, n in enumerate(lengths):
+            ids = torch.as_tensor(row[start : start + n + 1], dtype=torch.long)  # with its next
+            logits = ref(ids[None, :n]).logits[0]  # [n, vocab], positions 0 .. n-1
+            # inside a document every token predicts the next; the eos's label is another
+            # document's first token, except for the last document, which the row cuts
+            counted = n if i == len(lengths) - 1 else n - 1
+            loss_sum = loss_sum + F.cross_entropy(
+                logits[:counted], ids[1 : counted + 1], reduction="sum"
+            )
+            count += counted
+            start += n
+    loss = loss_sum / count
+    loss.backward()
+    norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    return loss.item(), norm.item(), count
+
+
+def test_shards_carry_the_documents_positions_labels_and_lengths(setup):
+    """The loader's view of row 0 at sp 4: positions restart after each eos, the label after an
+    eos is ignored, and every shard carries the lengths of the whole row's documents."""
+    _, _, rows = setup
+    shards = [shard_row(rows[0], r, 4, eos_id=EOS) for r in range(4)]
+    positions = torch.cat([s["position_ids"] for s in shards], 1)[0].tolist()
+    labels = torch.cat([s["labels"] for s in shards], 1)[0]
+    expected = [p for n in ROW_DOCS[0] for p in range(n)]
+    assert positions == expected
+    ignored = (labels == -100).nonzero().flatten().tolist()
+    assert ignored == [4, 5, 15, 31, 38, 51]  # every eos of the row, the one-token document's too
+    assert all(s["doc_lens"] == tuple(ROW_DOCS[0]) for s in shards)
+
+
+@pytest.mark.slow
+def test_masked_documents_match_transformers_per_document(setup):
+    d, ref, rows = setup
+    loss, norm, count = per_document_reference(ref, rows)
+    masked = ["--documents", "masked", "--eos-id", str(EOS)]
+    runs = {  # name: (processes, extra flags); every run takes both rows in its step
+        "1proc": (1, ["--sp", "1", "--grad-accum", "2"]),
+        "sp2-offload-tiled-once": (
+            2,
+            ["--sp", "2", "--grad-accum", "2", "--offload", "--offload-min-bytes", "0"]
+            + ["--tile-mlp", "16", "--save-attention"],
+        ),
+        "sp4-kv-repeat": (4, ["--sp", "4", "--grad-accum", "2"]),
+        "dp2xsp2": (4, ["--sp", "2", "--no-save-attention"]),
+        "dp2xsp2-offload-once": (
+            4,
+            ["--sp", "2", "--offload", "--offload-min-bytes", "0", "--save-attention"],
+        ),
+    }
+    for name, (n, extra) in runs.items():
+        out = d / name
+        run_train(n, *_common(d, out), *masked, *extra, "--eval-every", "0")
+        m = metrics(out)[0]
+        print(
+            f"{name}: loss {m['loss']:.8f} (transformers per document {loss:.8f}), "
+            f"grad_norm {m['grad_norm']:.8f} ({norm:.8f}), {m['tokens']} labels"
+        )
+        assert m["tokens"] == count
+        assert m["loss"] == pytest.approx(loss, rel=1e-6)
+        assert m["grad_norm"] == pytest.approx(norm, rel=1e-6)
+
+
+def test_masked_documents_need_an_eos_id_for_token_files(setup, tmp_path):
+    d, _, _ = setup
+    p = run_train(1, *_common(d, tmp_path / "o"), "--documents", "masked", check=False)
+    assert p.returncode == 2 and "pass --eos-id N" in p.stderr
