@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from data import RowLoader, build_rows
 from data.cache import token_cache_dir
+from data.documents import document_eos
 from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
 from memory.model_size import step_flops
@@ -457,16 +458,6 @@ def main(argv=None) -> None:
 # ---------------------------------------------------------------------------------------------
 # The run: what it is (run/console.py), its model (run/build.py), resume, the steps, the save
 # ---------------------------------------------------------------------------------------------
-def document_eos(cfg: TrainConfig, rows) -> int | None:
-    """The id that ends a document under --documents masked (None: stream): --eos-id, else the
-    one a text source's rows were joined with."""
-    if cfg.documents != "masked":
-        return None
-    if cfg.eos_id >= 0:
-        return cfg.eos_id
-    return int(rows.meta["eos_id"])  # run/checks.py asked for --eos-id where there is none
-
-
 def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) -> None:
     """The run main() checked: `mc` the model's config, model_dir its weights (None: init)."""
     torch.manual_seed(cfg.seed)
@@ -501,7 +492,7 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         mesh["sp"].get_local_rank(),
         sp,
         device=device,
-        eos_id=document_eos(cfg, rows),
+        eos_id=document_eos(cfg.documents, cfg.eos_id, rows),  # None: stream
     )
     optimizer = make_optimizer(cfg, model)
     start = resume_from(cfg, model, optimizer, loader, rank)

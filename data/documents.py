@@ -4,6 +4,7 @@
     docs.lengths                          # (n1, n2, ...): each document's tokens, summing to T
     docs.position_ids                     # int64 [T]: 0, 1, ... restarting after every eos
     docs.first                            # bool [T]: the label at i is the next document's start
+    eos = document_eos("masked", -1, rows)    # the id that ends documents: --eos-id, or the text's
 
 With `--documents masked` every end-of-text token ends its document: the document is its tokens
 up to and including the eos, and the next one starts after it. Attention stays inside a document
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RowDocuments", "row_documents"]
+__all__ = ["RowDocuments", "document_eos", "row_documents"]
 
 
 @dataclass(frozen=True)
@@ -45,3 +46,19 @@ def row_documents(row: Any, eos_id: int) -> RowDocuments:
     # Position i minus the start of i's document: one repeat of each start per document token.
     position_ids = np.arange(t, dtype=np.int64) - np.repeat(starts, lengths)
     return RowDocuments(tuple(int(n) for n in lengths), position_ids, is_eos)
+
+
+def document_eos(documents: str, eos_id: int, rows: Any) -> int | None:
+    """The id that ends a document (train.py's --documents, --eos-id): None for "stream"; the
+    id given (>= 0); else the one a text source's rows were joined with (rows.meta["eos_id"])."""
+    if documents != "masked":
+        return None
+    if eos_id >= 0:
+        return eos_id
+    meta = getattr(rows, "meta", None) or {}
+    if "eos_id" not in meta:
+        raise ValueError(
+            "--documents masked: these rows carry no end-of-text id (token ids or synthetic "
+            "rows); pass --eos-id N"
+        )
+    return int(meta["eos_id"])

@@ -52,6 +52,8 @@ from torch.distributed.fsdp import FSDPModule
 
 from data import build_rows, shard_row, sources
 from data.cache import token_cache_dir
+from data.documents import document_eos
+from data.loader import batch_to
 from data.rows import token_file_rows
 from loss.chunked_ce import token_losses
 from memory.meter import StepMeter
@@ -148,8 +150,11 @@ def too_few_rows(h: HeldOut, cfg) -> str | None:
     )
 
 
-def load_held_out(h: HeldOut, cfg, mc: Qwen3Config, model_dir: str | None) -> list:
-    """The --eval-rows rows of `h`, each seq_len + 1 ids (memory-mapped or made on demand)."""
+def load_held_out(
+    h: HeldOut, cfg, mc: Qwen3Config, model_dir: str | None
+) -> tuple[list, int | None]:
+    """The --eval-rows rows of `h`, each seq_len + 1 ids (memory-mapped or made on demand), and
+    the id that ends their documents under --documents masked (None: stream)."""
     rows = build_rows(
         h.source,
         model_dir,
@@ -161,7 +166,8 @@ def load_held_out(h: HeldOut, cfg, mc: Qwen3Config, model_dir: str | None) -> li
         eos_token=cfg.eos_token or None,
         progress=True,
     )
-    return [rows[h.first_row + i] for i in range(cfg.eval_rows)]
+    eos = document_eos(getattr(cfg, "documents", "stream"), getattr(cfg, "eos_id", -1), rows)
+    return [rows[h.first_row + i] for i in range(cfg.eval_rows)], eos
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,9 +200,12 @@ def compute_device(mesh) -> torch.device:
 
 
 @torch.no_grad()
-def evaluate_rows(model, rows: list, mesh, edges: list[int], *, loss_chunk: int) -> torch.Tensor:
+def evaluate_rows(
+    model, rows: list, mesh, edges: list[int], *, loss_chunk: int, eos_id: int | None = None
+) -> torch.Tensor:
     """float64 [2, buckets] on the host: the loss sum and the label count of each position bucket
-    [edges[i], edges[i+1]), over every row on every rank. `mesh` is build_mesh's ("dp", "sp")."""
+    [edges[i], edges[i+1]), over every row on every rank. `mesh` is build_mesh's ("dp", "sp").
+    eos_id: rows of documents (data/documents.py), positions those inside each document."""
     dp, sp = mesh["dp"].size(), mesh["sp"].size()
     dp_rank, sp_rank = mesh["dp"].get_local_rank(), mesh["sp"].get_local_rank()
     device = compute_device(mesh)
@@ -204,17 +213,18 @@ def evaluate_rows(model, rows: list, mesh, edges: list[int], *, loss_chunk: int)
     totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64, device=device)
     for i in range(-(-len(rows) // dp)):  # every rank the same number of forwards
         j = i * dp + dp_rank
-        batch = shard_row(rows[min(j, len(rows) - 1)], sp_rank, sp, IGNORE)
+        batch = shard_row(rows[min(j, len(rows) - 1)], sp_rank, sp, IGNORE, eos_id=eos_id)
         if j >= len(rows):  # no row left for this rank: count nothing
             batch["labels"].fill_(IGNORE)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        hidden = model(batch["input_ids"], batch["position_ids"])  # [1, T/sp, hidden]
+        batch = batch_to(batch, device)
+        hidden = model(batch["input_ids"], batch["position_ids"], batch.get("doc_lens"))
         labels = batch["labels"].flatten()  # [T/sp]
         losses = token_losses(
             hidden.flatten(0, 1), model.lm_head.weight, labels, chunk_size=loss_chunk
         )  # [T/sp], 0 where not counted
         del hidden
-        # The bucket of each token by its place in the whole row, not in this rank's slice.
+        # The bucket of each token by its place in the whole row, not in this rank's slice
+        # (with documents: in its document).
         bucket = torch.bucketize(batch["position_ids"].flatten(), inner, right=True)
         totals[0].index_add_(0, bucket, losses.double())
         totals[1].index_add_(0, bucket, (labels != IGNORE).double())
@@ -371,8 +381,9 @@ def eval_records(path: str) -> list[dict]:
 class Evaluation:
     """The held-out evaluations of one launch; see the module docstring. rows None: none."""
 
-    def __init__(self, cfg, mc, rows, mesh, log, plan, *, measure, optimizer, pool):
+    def __init__(self, cfg, mc, rows, mesh, log, plan, *, measure, optimizer, pool, eos_id=None):
         self.cfg, self.mc, self.rows, self.mesh, self.log = cfg, mc, rows, mesh, log
+        self.eos_id = eos_id  # None: each row one sequence; else documents (--documents masked)
         self.planned_gb = plan.eval_total / 1e9
         self.measure, self.optimizer, self.pool = measure, optimizer, pool
         self.edges = bucket_edges(cfg.seq_len)
@@ -403,7 +414,12 @@ class Evaluation:
             ).start()
         t0 = time.perf_counter()
         totals = evaluate_rows(
-            model, self.rows, self.mesh, self.edges, loss_chunk=self.cfg.loss_chunk
+            model,
+            self.rows,
+            self.mesh,
+            self.edges,
+            loss_chunk=self.cfg.loss_chunk,
+            eos_id=self.eos_id,
         )
         seconds = time.perf_counter() - t0
         peak = meter.stop_all_ranks() / 1e9 if meter else None
@@ -446,13 +462,14 @@ def start_evaluation(
     """The launch's Evaluation, its rows loaded, its plan said, and step 0 evaluated (a fresh
     run's; a resumed one has it in its metrics file). optimizer and pool (the offload pool): what
     the meter counts as held before the evaluation (None: nothing); plan: memory/plan.py's."""
-    rows, why_not = None, None
+    rows, why_not, eos = None, None, None
     if evaluating(cfg):
         h = held_out(cfg, mesh["dp"].size())
         why_not = too_few_rows(h, cfg)
-        rows = None if why_not else load_held_out(h, cfg, mc, model_dir)
+        if not why_not:
+            rows, eos = load_held_out(h, cfg, mc, model_dir)
     evaluation = Evaluation(
-        cfg, mc, rows, mesh, log, plan, measure=measure, optimizer=optimizer, pool=pool
+        cfg, mc, rows, mesh, log, plan, measure=measure, optimizer=optimizer, pool=pool, eos_id=eos
     )
     if why_not:
         log.say(f"eval: off: {why_not}")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_train
 from hf_ref import hf_model, save_hf
-from test_train import CFG, _common, metrics
+from test_train import CFG, _common, eval_records, metrics
 
 from data.loader import shard_row
 
@@ -116,6 +116,36 @@ def test_masked_documents_match_transformers_per_document(setup):
         assert m["tokens"] == count
         assert m["loss"] == pytest.approx(loss, rel=1e-6)
         assert m["grad_norm"] == pytest.approx(norm, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_held_out_loss_by_position_counts_the_place_in_the_document(setup):
+    """--eval-only at sp 2 on the same rows: the held-out loss is transformers' per document, and
+    the buckets count each label by its token's position inside its document (RoPE is relative,
+    so a position that does not restart changes no loss: the buckets are where it shows)."""
+    d, ref, rows = setup
+    loss, _, count = per_document_reference(ref, rows)
+    out = d / "eval"
+    flags = [
+        "--model",
+        str(d / "model"),
+        "--eval-only",
+        "--eval-data",
+        f"tokens:{d / 'tokens.npy'}",
+    ]
+    flags += ["--eval-rows", "2", "--seq-len", str(T), "--sp", "2", "--dtype", "float32"]
+    flags += ["--documents", "masked", "--eos-id", str(EOS), "--out", str(out)]
+    run_train(2, *flags, "--loss-chunk", "16")
+    (rec,) = eval_records(out)
+    counted = []  # the position of every counted label's token inside its document
+    for lengths in ROW_DOCS:
+        for i, n in enumerate(lengths):
+            counted += range(n if i == len(lengths) - 1 else n - 1)
+    buckets = [[s, e, sum(s <= p < e for p in counted)] for s, e in ((0, 8), (8, 16), (16, 32))]
+    print("eval", rec["eval_loss"], loss, [b[:2] + [b[3]] for b in rec["loss_by_position"]])
+    assert rec["eval_tokens"] == count
+    assert rec["eval_loss"] == pytest.approx(loss, rel=1e-6)
+    assert [[s, e, n] for s, e, _, n in rec["loss_by_position"]] == buckets + [[32, 64, 0]]
 
 
 def test_masked_documents_need_an_eos_id_for_token_files(setup, tmp_path):
