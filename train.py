@@ -172,6 +172,12 @@ class TrainConfig:
     eos_id: int = arg(
         -1, "the end-of-text id for --documents masked; -1: the text source's --eos-token"
     )
+    pack: str = arg(
+        "concat",
+        "text into rows: concat (end to end, cut at each row's end); best-fit (whole documents, "
+        "only longer ones cut, rows padded; needs --documents masked)",
+        CHOICES["pack"],
+    )
     gpu_mem_gb: float = arg(80.0, "GPU memory per GPU, for the memory plan")
     host_mem_gb: float = arg(
         0.0, "host GB per node, for the plan and its checks; 0: this machine's, 2000 in --dry-run"
@@ -478,8 +484,14 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         seed=cfg.seed,
         vocab_size=mc.vocab_size,
         eos_token=cfg.eos_token or None,
+        pack=cfg.pack,
         progress=True,
     )
+    if "padding_share" in getattr(rows, "meta", {}):  # --pack best-fit
+        log0(
+            f"data: best-fit packing, padding {rows.meta['padding_share']:.2%} of the rows' "
+            f"tokens, {rows.meta['documents_cut']} documents longer than a row cut"
+        )
 
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
     mesh = build_mesh(world, sp, device.type)

@@ -14,8 +14,12 @@ token after it) is ignored, while the eos itself is predicted by its document's 
 A document cut by the row's end is the last segment of that row; the next row starts its rest
 as a new document at position 0 (a row never knows what came before it).
 
-Only the inputs (the row's first T ids) decide the segments. A row of 1M tokens costs one pass
-over its ids in numpy here; the lengths are plain ints, handed to attention as they are.
+A run of eos tokens after a document's own eos (best-fit packing's padding, data/packing.py,
+or empty documents) is one segment in `lengths`: every label in it is ignored and nothing after
+it attends to it, so one kernel call serves the whole run instead of one per token; positions
+still restart at each of them. Only the inputs (the row's first T ids) decide the segments. A
+row of 1M tokens costs one pass over its ids in numpy here; the lengths are plain ints, handed
+to attention as they are.
 """
 
 from __future__ import annotations
@@ -45,7 +49,21 @@ def row_documents(row: Any, eos_id: int) -> RowDocuments:
     lengths = np.diff(np.append(starts, t))  # [documents]
     # Position i minus the start of i's document: one repeat of each start per document token.
     position_ids = np.arange(t, dtype=np.int64) - np.repeat(starts, lengths)
-    return RowDocuments(tuple(int(n) for n in lengths), position_ids, is_eos)
+    return RowDocuments(_merge_eos_runs(lengths, is_eos[starts]), position_ids, is_eos)
+
+
+def _merge_eos_runs(lengths: np.ndarray, starts_with_eos: np.ndarray) -> tuple[int, ...]:
+    """lengths with each run of one-token eos documents summed into one segment."""
+    alone = (lengths == 1) & starts_with_eos  # [documents]: an eos by itself
+    merged: list[int] = []
+    last_alone = False  # whether merged[-1] is a run of lone eos tokens
+    for n, eos_alone in zip(lengths.tolist(), alone.tolist(), strict=True):
+        if eos_alone and last_alone:
+            merged[-1] += 1
+        else:
+            merged.append(n)
+        last_alone = eos_alone
+    return tuple(merged)
 
 
 def document_eos(documents: str, eos_id: int, rows: Any) -> int | None:

@@ -48,6 +48,7 @@ CHOICES = {
     "dtype": ("auto", "bfloat16", "float32", "float16"),
     "save_dtype": ("bfloat16", "float16", "float32"),
     "documents": ("stream", "masked"),
+    "pack": ("concat", "best-fit"),
 }
 INF = math.inf
 DRY_RUN_HOST_MEM_GB = 2000.0  # a dry run plans for the target node, not the machine it runs on
@@ -141,6 +142,17 @@ def check_flags(cfg) -> None:
             raise ConfigError(
                 f"--documents masked on {cfg.data}: token ids carry no end-of-text token to "
                 f"split documents at; pass --eos-id N (the id that ends each document)"
+            )
+    if getattr(cfg, "pack", "concat") == "best-fit":
+        if cfg.documents != "masked":
+            raise ConfigError(
+                "--pack best-fit pads rows with end-of-text tokens, whose labels only "
+                "--documents masked ignores; add --documents masked"
+            )
+        if cfg.data.startswith(("synthetic:", "tokens:")):
+            raise ConfigError(
+                f"--pack best-fit packs the documents of a text source; {cfg.data} is rows of "
+                f"ids already: use --pack concat"
             )
     if cfg.loss_on == "predictable" and not cfg.data.startswith("synthetic:"):
         raise ConfigError(

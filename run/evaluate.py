@@ -164,6 +164,7 @@ def load_held_out(
         seed=h.seed,
         vocab_size=mc.vocab_size,
         eos_token=cfg.eos_token or None,
+        pack=getattr(cfg, "pack", "concat"),
         progress=True,
     )
     eos = document_eos(getattr(cfg, "documents", "stream"), getattr(cfg, "eos_id", -1), rows)
