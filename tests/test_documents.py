@@ -1,9 +1,9 @@
 """--documents masked through train.py against transformers run on each document by itself.
 
 Two rows of 64 + 1 tokens, each a few documents ending in the end-of-text id: row 0 has a
-one-token document and boundaries exactly at the sp shard boundaries (16, 32, 48), row 1 has
-documents spanning them (and another one-token document); the last document of each row is cut
-by the row's end. The reference is transformers' Qwen3ForCausalLM run on every document alone
+one-token document and boundaries exactly at the sp shard boundaries (16, 32, 48) and one
+spanning 48, row 1 a document spanning 32 and a run of three lone eos tokens (best-fit's padding,
+which attention takes as one segment); the last document of each row is cut by the row's end. The reference is transformers' Qwen3ForCausalLM run on every document alone
 (positions from 0, nothing else to attend to), the loss summed over every label inside a
 document (the label after an eos is a next document's first token: not counted) and divided by
 their count, and the gradient of that. Every layout's first step must give its loss and gradient
@@ -26,7 +26,7 @@ T = 64
 # Each row's documents by length (tokens, the eos included); the last is cut by the row's end.
 ROW_DOCS = [
     [5, 1, 10, 16, 7, 13, 12],  # ends at 5, 6, 16, 32 (sp 2 and 4), 39, 52: [39, 52) spans 48
-    [20, 25, 1, 18],  # [20, 45) spans 32, [46, 64) spans 48, a one-token document at 45
+    [20, 25, 1, 1, 1, 16],  # [20, 45) spans 32; three lone eos (one segment); 48 exact again
 ]
 
 
@@ -84,6 +84,7 @@ def test_shards_carry_the_documents_positions_labels_and_lengths(setup):
     ignored = (labels == -100).nonzero().flatten().tolist()
     assert ignored == [4, 5, 15, 31, 38, 51]  # every eos of the row, the one-token document's too
     assert all(s["doc_lens"] == tuple(ROW_DOCS[0]) for s in shards)
+    assert shard_row(rows[1], 1, 2, eos_id=EOS)["doc_lens"] == (20, 25, 3, 16)  # one eos run
 
 
 @pytest.mark.slow
