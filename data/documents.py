@@ -5,6 +5,7 @@
     docs.position_ids                     # int64 [T]: 0, 1, ... restarting after every eos
     docs.first                            # bool [T]: the label at i is the next document's start
     eos = document_eos("masked", -1, rows)    # the id that ends documents: --eos-id, or the text's
+    even_documents(1_048_576, 95_000)         # (95000, ..., 3576): a planned row's documents
 
 With `--documents masked` every end-of-text token ends its document: the document is its tokens
 up to and including the eos, and the next one starts after it. Attention stays inside a document
@@ -29,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RowDocuments", "document_eos", "row_documents"]
+__all__ = ["RowDocuments", "document_eos", "even_documents", "row_documents"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +81,10 @@ def document_eos(documents: str, eos_id: int, rows: Any) -> int | None:
             "rows); pass --eos-id N"
         )
     return int(meta["eos_id"])
+
+
+def even_documents(seq_len: int, doc_len: int) -> tuple[int, ...]:
+    """A row of seq_len tokens as documents of doc_len and the rest (what --dry-run --doc-len
+    and the rehearsal plan for; memory/model_size.py's attention_square counts the same)."""
+    whole, rest = divmod(seq_len, doc_len)
+    return (doc_len,) * whole + ((rest,) if rest else ())

@@ -3,13 +3,16 @@
 Two rows of 64 + 1 tokens, each a few documents ending in the end-of-text id: row 0 has a
 one-token document and boundaries exactly at the sp shard boundaries (16, 32, 48) and one
 spanning 48, row 1 a document spanning 32 and a run of three lone eos tokens (best-fit's padding,
-which attention takes as one segment); the last document of each row is cut by the row's end. The reference is transformers' Qwen3ForCausalLM run on every document alone
-(positions from 0, nothing else to attend to), the loss summed over every label inside a
+which attention takes as one segment); the last document of each row is cut by the row's end.
+The reference is transformers' Qwen3ForCausalLM run on every document alone (positions from 0,
+nothing else to attend to), the loss summed over every label inside a
 document (the label after an eos is a next document's first token: not counted) and divided by
 their count, and the gradient of that. Every layout's first step must give its loss and gradient
 norm within 1e-6: 1 process, sp 2 with offload, a tiled MLP and attention once, sp 4 with kv
 heads repeated, dp 2 x sp 2 with and without attention once.
 """
+
+import json
 
 import numpy as np
 import pytest
@@ -19,7 +22,10 @@ from dist_utils import run_train
 from hf_ref import hf_model, save_hf
 from test_train import CFG, _common, eval_records, metrics
 
+from data.documents import even_documents
 from data.loader import shard_row
+from memory.model_size import step_flops
+from model.config import PRESETS
 
 EOS = CFG.vocab_size - 1  # the end-of-text id; no other token takes it
 T = 64
@@ -153,3 +159,40 @@ def test_masked_documents_need_an_eos_id_for_token_files(setup, tmp_path):
     d, _, _ = setup
     p = run_train(1, *_common(d, tmp_path / "o"), "--documents", "masked", check=False)
     assert p.returncode == 2 and "pass --eos-id N" in p.stderr
+
+
+def test_attention_flops_are_the_sum_of_the_squared_document_lengths():
+    """step_flops' attention by documents: the sum of their squares, here written out."""
+    lengths = even_documents(1_048_576, 95_000)
+    assert sum(lengths) == 1_048_576 and lengths[-1] == 1_048_576 - 11 * 95_000
+    c = PRESETS["qwen3-8b"]
+    stream, docs = step_flops(c, 1_048_576), step_flops(c, 1_048_576, doc_len=95_000)
+    ratio = sum(n * n for n in lengths) / 1_048_576**2
+    assert docs["attention_fwd"] == pytest.approx(stream["attention_fwd"] * ratio, rel=1e-12)
+    assert docs["dense_fwd"] == stream["dense_fwd"]
+
+
+@pytest.mark.slow
+def test_rehearsal_counts_the_attention_kernels_documents_run(tmp_path):
+    """--rehearse --documents masked --doc-len: the kernels' FLOPs as torch's formulas count them
+    on fake tensors (one attention call per document) against the planner's. What documents save
+    (the stream's rehearsal less theirs) is what the planner says they save, within 1%; the
+    totals differ by the same few dense FLOPs the stream's do. The dry run prints the
+    projection beside the stream's."""
+    flags = ["--model", "tiny", "--data", "synthetic:copy", "--eos-id", "0", "--seq-len", "8192"]
+    flags += ["--sp", "2", "--dtype", "float32"]
+    docs = ["--documents", "masked", "--doc-len", "1500"]
+    flops = {}
+    for name, extra in (("stream", []), ("documents", docs)):
+        out = tmp_path / name
+        run_train(1, *flags, *extra, "--rehearse", "--out", str(out), env={"WORLD_SIZE": "2"})
+        with open(out / "rehearsal.json") as f:
+            flops[name] = json.load(f)["flops"]
+    print(flops)
+    saved = {k: flops["stream"][k] - flops["documents"][k] for k in ("rehearsed", "planned")}
+    assert saved["rehearsed"] == pytest.approx(saved["planned"], rel=0.01)
+    assert saved["planned"] > 0.7 * flops["stream"]["planned"]  # attention, most of the stream's
+    off = [flops[k]["planned"] - flops[k]["rehearsed"] for k in flops]
+    assert off[0] == pytest.approx(off[1], rel=0.01)
+    p = run_train(1, *flags, *docs, "--dry-run", env={"WORLD_SIZE": "2"})
+    assert "documents of 1,500 tokens (--documents masked: 6 per row of 8,192 tokens)" in p.stdout
