@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_train
+from dist_utils import run_distributed, run_train
 from hf_ref import hf_model, save_hf
 from test_train import CFG, _common, eval_records, metrics
 
@@ -196,3 +196,49 @@ def test_rehearsal_counts_the_attention_kernels_documents_run(tmp_path):
     assert off[0] == pytest.approx(off[1], rel=0.01)
     p = run_train(1, *flags, *docs, "--dry-run", env={"WORLD_SIZE": "2"})
     assert "documents of 1,500 tokens (--documents masked: 6 per row of 8,192 tokens)" in p.stdout
+
+
+def _ulysses_documents(rank, world, row, lengths):
+    """The copyable Ulysses piece on a transformers model, with document lengths: (loss, grads)."""
+    import torch.distributed as dist
+
+    from model.ulysses_exchange import register_ulysses, shard_row
+
+    model = hf_model(CFG, seed=3)
+    group = dist.group.WORLD
+    model.set_attn_implementation(register_ulysses(group))
+    ids = torch.as_tensor(row[None, :T], dtype=torch.long)  # [1, T]
+    mine, positions, targets = shard_row(ids, group, doc_lens=lengths)
+    hidden = model.model(input_ids=mine, position_ids=positions, doc_lens=lengths)
+    logits = model.lm_head(hidden.last_hidden_state)[0]  # [T/sp, vocab]
+    count = torch.tensor(float((targets != -100).sum()))
+    dist.all_reduce(count)
+    loss = F.cross_entropy(logits, targets[0], ignore_index=-100, reduction="sum") / count
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+def test_copyable_ulysses_piece_takes_document_lengths(setup, sp):
+    """model/ulysses_exchange.py on transformers' model with doc_lens against that model run on
+    each document alone (here the row is its T inputs: the last document's last token, like
+    every document's, predicts nothing)."""
+    _, ref, rows = setup
+    lengths = tuple(ROW_DOCS[0])
+    ref.zero_grad()
+    loss_sum, count, start = 0.0, 0, 0
+    for n in lengths:
+        ids = torch.as_tensor(rows[0][start : start + n], dtype=torch.long)[None]
+        logits = ref(ids).logits[0]
+        loss_sum = loss_sum + F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")
+        count, start = count + n - 1, start + n
+    (loss_sum / count).backward()
+    loss, grads = run_distributed(_ulysses_documents, sp, rows[0], lengths)[0]
+    print(f"sp {sp}: loss {loss:.8f} (transformers per document {loss_sum.item() / count:.8f})")
+    assert loss == pytest.approx(loss_sum.item() / count, rel=1e-6)
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
