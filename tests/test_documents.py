@@ -9,7 +9,7 @@ nothing else to attend to), the loss summed over every label inside a
 document (the label after an eos is a next document's first token: not counted) and divided by
 their count, and the gradient of that. Every layout's first step must give its loss and gradient
 norm within 1e-6: 1 process, sp 2 with offload, a tiled MLP and attention once, sp 4 with kv
-heads repeated, dp 2 x sp 2 with and without attention once.
+heads repeated, sp 2 with --cpu-offload, dp 2 x sp 2 with and without attention once.
 """
 
 import json
@@ -106,6 +106,7 @@ def test_masked_documents_match_transformers_per_document(setup):
             + ["--tile-mlp", "16", "--save-attention"],
         ),
         "sp4-kv-repeat": (4, ["--sp", "4", "--grad-accum", "2"]),
+        "sp2-cpu-offload": (2, ["--sp", "2", "--grad-accum", "2", "--cpu-offload"]),
         "dp2xsp2": (4, ["--sp", "2", "--no-save-attention"]),
         "dp2xsp2-offload-once": (
             4,
