@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from data import RowLoader, build_rows
 from data.cache import token_cache_dir
-from data.documents import document_eos
+from data.documents import document_eos, row_documents
 from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
 from memory.model_size import step_flops
@@ -382,6 +382,21 @@ def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]
     return batch
 
 
+def model_flops(per_row: dict, loader: RowLoader, rows: int) -> float:
+    """MFU's FLOPs of the step about to read `rows` rows (all dp ranks') from `loader`:
+    per_row["model"] each (step_flops with attn_bwd_factor 2), and with --documents masked its
+    attention (forward + 2x backward) by the sum of the squares of each row's documents."""
+    if loader.eos_id is None:
+        return per_row["model"] * rows
+    total = 0.0
+    for i in range(loader.next_row, loader.next_row + rows):
+        lengths = row_documents(loader.rows[i], loader.eos_id).lengths
+        t = sum(lengths)
+        share = sum(n * n for n in lengths) / (t * t)  # of the row's square, the stream's count
+        total += per_row["model"] - 3 * per_row["attention_fwd"] * (1 - share)
+    return total
+
+
 def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) -> StepResult:
     """One optimizer step over `micro_batches` (this rank's slices of grad_accum rows).
 
@@ -522,7 +537,8 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         return path
 
     # MFU counts the model's FLOPs: no recomputation (ours is overhead), backward = 2x forward
-    flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
+    per_row = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)
+    flops = per_row["model"] * cfg.grad_accum * dp
     guard = NonFiniteGuard(cfg.max_bad_steps)
     log = StepLog(
         cfg,
@@ -554,6 +570,7 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
             t0 = time.perf_counter()
             lr = lr_at(cfg, step)
             set_lr(optimizer, lr)
+            log.flops_per_step = model_flops(per_row, loader, cfg.grad_accum * dp)
             micro_batches = [next_micro_batch(loader, cfg.loss_on) for _ in range(cfg.grad_accum)]
             result = train_step(model, optimizer, micro_batches, cfg)
             if device.type == "cuda":

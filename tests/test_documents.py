@@ -243,3 +243,18 @@ def test_copyable_ulysses_piece_takes_document_lengths(setup, sp):
     assert loss == pytest.approx(loss_sum.item() / count, rel=1e-6)
     for n, p in ref.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_mfu_counts_each_rows_documents():
+    """train.py's MFU FLOPs from the rows' own documents equal step_flops by document length."""
+    import train
+    from data.loader import RowLoader
+
+    row = np.concatenate([np.append(np.ones(15, dtype=np.int64), EOS) for _ in range(4)] + [[1]])
+    loader = RowLoader(np.stack([row, row]), eos_id=EOS)  # documents of 16 in rows of 64
+    per_row = step_flops(CFG, T, attn_bwd_factor=2.0)
+    by_length = step_flops(CFG, T, attn_bwd_factor=2.0, doc_len=16)["model"]
+    assert train.model_flops(per_row, loader, 2) == pytest.approx(2 * by_length, rel=1e-12)
+    assert by_length < per_row["model"]
+    loader.eos_id = None  # stream: the row's square
+    assert train.model_flops(per_row, loader, 2) == 2 * per_row["model"]
