@@ -194,8 +194,8 @@ class TrainConfig:
     dry_run: bool = arg(False, "print the resolved config and memory plan; load nothing")
     doc_len: int = arg(
         0,
-        "with --dry-run: project rows of documents of N tokens (--documents masked) beside the "
-        "stream; 0: off",
+        "with --dry-run or --rehearse: rows of documents of N tokens (--documents masked), "
+        "beside the stream; 0: off",
     )
     calibration: str = arg(
         "", "with --dry-run: a bench/gpu_check.py JSON; project the step from its measured rates"
