@@ -3,8 +3,8 @@
     loader = RowLoader(rows, dp_rank, dp_size, sp_rank, sp_size)
     for batch in loader:   # {"input_ids", "labels", "position_ids"}: int64 [1, ceil(T / sp_size)]
         ...
-    loader = RowLoader(rows, ..., eos_id=eos)   # documents: + "doc_lens", the row's (n1, n2, ...)
         save({"data": loader.state_dict(), ...})    # after the step; load_state_dict() resumes
+    loader = RowLoader(rows, ..., eos_id=eos)   # documents: + "doc_lens", the row's (n1, n2, ...)
 
 A row holds T + 1 tokens. inputs = row[:-1] and labels = row[1:] are taken BEFORE sharding, so the
 label of the last token of one shard is the first token of the next (shifting after sharding would
