@@ -324,9 +324,10 @@ def can_draw() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def draw(records: list[dict], path: str, context: int | None = None) -> None:
+def draw(records: list[dict], path: str, context: int | None = None, within: str = "row") -> None:
     """Loss against position (log scale) for each record, as steps over its buckets; a dotted
-    line at `context` (the model's original context) when the rows reach past it."""
+    line at `context` (the model's original context) when the rows reach past it; `within`:
+    what the positions count in, the "row" or (--documents masked) the "document"."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
     from matplotlib.ticker import FuncFormatter
 
@@ -351,7 +352,7 @@ def draw(records: list[dict], path: str, context: int | None = None) -> None:
         )
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _tokens(int(x))))
-    ax.set_xlabel("position in the row (tokens)")
+    ax.set_xlabel(f"position in the {within} (tokens)")  # "document": --documents masked
     ax.set_ylabel("mean loss (nats)")
     ax.set_title("held-out loss by position")
     ax.grid(alpha=0.3)
@@ -451,7 +452,8 @@ class Evaluation:
                 self.log.say(line)
             return None
         path = os.path.join(self.cfg.out, PICTURE)
-        draw(shown, path, original_context(self.mc))
+        within = "row" if self.eos_id is None else "document"
+        draw(shown, path, original_context(self.mc), within)
         steps = " -> ".join(f"step {r['step']}" for r in shown)
         self.log.say(f"eval: loss by position, {steps}: {path}")
         return path
