@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from data import RowLoader, build_rows
 from data.cache import token_cache_dir
+from data.documents import document_eos, row_documents
 from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
 from memory.model_size import step_flops
@@ -181,6 +182,21 @@ class TrainConfig:
     )
     cache_dir: str = arg("", "token cache; empty: $QWEN3_1M_CACHE, else ~/.cache/qwen3-1m")
     eos_token: str = arg("", "separator between documents; empty: the tokenizer's eos token")
+    documents: str = arg(
+        "stream",
+        "stream: a row is one sequence; masked: each end-of-text token ends a document "
+        "(attention within it, positions from 0, no label across)",
+        CHOICES["documents"],
+    )
+    eos_id: int = arg(
+        -1, "the end-of-text id for --documents masked; -1: the text source's --eos-token"
+    )
+    pack: str = arg(
+        "concat",
+        "text into rows: concat (end to end, cut at each row's end); best-fit (whole documents, "
+        "only longer ones cut, rows padded; needs --documents masked)",
+        CHOICES["pack"],
+    )
     gpu_mem_gb: float = arg(
         0.0,
         "GB per GPU the layout may use; 0: the device's own (80 in --dry-run); on CPU the budget "
@@ -208,6 +224,11 @@ class TrainConfig:
         "", "CUDA: write a memory-visualiser snapshot of step 1 to PATH.rank<N>.pickle"
     )
     dry_run: bool = arg(False, "print the resolved config and memory plan; load nothing")
+    doc_len: int = arg(
+        0,
+        "with --dry-run or --rehearse: rows of documents of N tokens (--documents masked), "
+        "beside the stream; 0: off",
+    )
     calibration: str = arg(
         "", "with --dry-run: a bench/gpu_check.py JSON; project the step from its measured rates"
     )
@@ -394,6 +415,21 @@ def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]
     return batch
 
 
+def model_flops(per_row: dict, loader: RowLoader, rows: int) -> float:
+    """MFU's FLOPs of the step about to read `rows` rows (all dp ranks') from `loader`:
+    per_row["model"] each (step_flops with attn_bwd_factor 2), and with --documents masked its
+    attention (forward + 2x backward) by the sum of the squares of each row's documents."""
+    if loader.eos_id is None:
+        return per_row["model"] * rows
+    total = 0.0
+    for i in range(loader.next_row, loader.next_row + rows):
+        lengths = row_documents(loader.rows[i], loader.eos_id).lengths
+        t = sum(lengths)
+        share = sum(n * n for n in lengths) / (t * t)  # of the row's square, the stream's count
+        total += per_row["model"] - 3 * per_row["attention_fwd"] * (1 - share)
+    return total
+
+
 def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) -> StepResult:
     """One optimizer step over `micro_batches` (this rank's slices of grad_accum rows).
 
@@ -413,7 +449,8 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
     count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
     loss_sum = torch.zeros((), dtype=torch.float64, device=count.device)
     for batch in micro_batches:
-        hidden = model(batch["input_ids"], batch["position_ids"])  # [1, T/sp, hidden]
+        # doc_lens: the row's documents (--documents masked), attention within each
+        hidden = model(batch["input_ids"], batch["position_ids"], batch.get("doc_lens"))
         micro_loss = chunked_cross_entropy(
             hidden.flatten(0, 1),  # [T/sp, hidden]
             model.lm_head.weight,
@@ -500,8 +537,14 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         seed=cfg.seed,
         vocab_size=mc.vocab_size,
         eos_token=cfg.eos_token or None,
+        pack=cfg.pack,
         progress=True,
     )
+    if "padding_share" in getattr(rows, "meta", {}):  # --pack best-fit
+        log0(
+            f"data: best-fit packing, padding {rows.meta['padding_share']:.2%} of the rows' "
+            f"tokens, {rows.meta['documents_cut']} documents longer than a row cut"
+        )
 
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
     mesh = build_mesh(world, sp, device.type)
@@ -510,7 +553,13 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         write_run_layout(cfg, planned)  # OUT/layout.json: --layout repeats it exactly
 
     loader = RowLoader(
-        rows, mesh["dp"].get_local_rank(), dp, mesh["sp"].get_local_rank(), sp, device=device
+        rows,
+        mesh["dp"].get_local_rank(),
+        dp,
+        mesh["sp"].get_local_rank(),
+        sp,
+        device=device,
+        eos_id=document_eos(cfg.documents, cfg.eos_id, rows),  # None: stream
     )
     optimizer = make_optimizer(cfg, model)
     start = resume_from(cfg, model, optimizer, loader, rank)
@@ -523,7 +572,8 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         return path
 
     # MFU counts the model's FLOPs: no recomputation (ours is overhead), backward = 2x forward
-    flops = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)["model"] * cfg.grad_accum * dp
+    per_row = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)
+    flops = per_row["model"] * cfg.grad_accum * dp
     guard = NonFiniteGuard(cfg.max_bad_steps)
     log = StepLog(
         cfg,
@@ -555,6 +605,7 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
             t0 = time.perf_counter()
             lr = lr_at(cfg, step)
             set_lr(optimizer, lr)
+            log.flops_per_step = model_flops(per_row, loader, cfg.grad_accum * dp)
             micro_batches = [next_micro_batch(loader, cfg.loss_on) for _ in range(cfg.grad_accum)]
             result = train_step(model, optimizer, micro_batches, cfg)
             if device.type == "cuda":

@@ -14,6 +14,8 @@ cache.py     the on-disk uint32 cache: JSON description, atomic rename, file loc
 synthetic.py the long-range copy task (no tokenizer needed)
 retrieval.py passkey and key-value retrieval cases (a needle at a depth, a question, its answer)
 loader.py    shard_row (shift, then shard, global positions) and the resumable RowLoader
+documents.py a row's documents (--documents masked): lengths, positions from 0, labels inside
+packing.py   --pack best-fit: whole documents into rows, only longer ones cut
 """
 
 from data.loader import RowLoader, shard_row

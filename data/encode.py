@@ -161,6 +161,25 @@ def _prefetch(items: Iterable[str], depth: int = 64) -> Iterator[str]:
         stop.set()
 
 
+def encoded_documents(texts: Iterable[str], encoder, eos: int) -> Iterator[np.ndarray]:
+    """Each text's ids with the eos after it (uint32), encoded in batches as pack_documents
+    encodes them; for a packer that needs whole documents (data/packing.py)."""
+    docs_iter = _prefetch(texts)
+    try:
+        batch, size = [], 0
+        for text in docs_iter:
+            batch.append(text)
+            size += len(text)
+            if size >= MAX_BATCH_CHARS or len(batch) >= MAX_BATCH_DOCS:
+                for ids in encode_batch(encoder, batch):
+                    yield np.append(ids, np.uint32(eos))
+                batch, size = [], 0
+        for ids in encode_batch(encoder, batch) if batch else []:
+            yield np.append(ids, np.uint32(eos))
+    finally:
+        docs_iter.close()  # stops the reader thread
+
+
 def pack_documents(
     texts: Iterable[str],
     encoder,

@@ -33,6 +33,7 @@ import numpy as np
 
 from data import encode, sources
 from data.cache import CacheEntry
+from data.packing import fill_best_fit
 from data.synthetic import CopyRows
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def build_rows(
     seed: int = 0,
     vocab_size: int | None = None,
     eos_token: str | None = None,
+    pack: str = "concat",
     text_column: str = "text",
     shuffle_buffer: int = 100,
     progress: bool = True,
@@ -99,7 +101,9 @@ def build_rows(
 
     tokenizer: a model directory (or hub id) or a transformers fast tokenizer. eos_token overrides
     the separator between books (Qwen3-8B's tokenizer says "<|im_end|>"; the base model's
-    "<|endoftext|>"). shuffle_buffer is for hub streaming; verify re-hashes a cache before use.
+    "<|endoftext|>"). pack: "concat" (books end to end, cut at every row's end) or "best-fit"
+    (whole books, cut only when longer than a row, rows padded with eos: data/packing.py).
+    shuffle_buffer is for hub streaming; verify re-hashes a cache before use.
     """
     source = os.fspath(source)
     if int(seq_len) < 1 or int(num_rows) < 1:
@@ -119,7 +123,9 @@ def build_rows(
             f"source {source!r} is text: pass the model's tokenizer (its directory or object)"
         )
 
-    options = dict(seed=seed, eos_token=eos_token, text_column=text_column)
+    if pack not in ("concat", "best-fit"):
+        raise ValueError(f"pack {pack!r}: use concat or best-fit")
+    options = dict(seed=seed, eos_token=eos_token, pack=pack, text_column=text_column)
     options.update(shuffle_buffer=shuffle_buffer, progress=progress, verify=verify)
     return _text_rows(source, tokenizer, seq_len, num_rows, cache_dir, **options)
 
@@ -157,6 +163,7 @@ def _text_rows(
     *,
     seed,
     eos_token,
+    pack,
     text_column,
     shuffle_buffer,
     progress,
@@ -170,6 +177,8 @@ def _text_rows(
         "seq_len": seq_len,
         "seed": seed,
     }
+    if pack != "concat":  # concat's key stays what it was, so its caches stay valid
+        key["pack"] = pack
     entry = CacheEntry(cache_dir, cache_name(source, seq_len, seed), key)
     with entry.locked():
         tokens = entry.load(num_rows, verify=verify)
@@ -186,11 +195,15 @@ def _text_rows(
             )
             info: dict[str, Any] = {"eos_id": eos, "source_string": source}
             with entry.writer((num_rows, seq_len + 1), info) as out:
-                info.update(
-                    encode.pack_documents(
-                        texts, encode.encoder_for(tok), eos, out, progress=progress, desc=source
+                if pack == "best-fit":
+                    docs = encode.encoded_documents(texts, encode.encoder_for(tok), eos)
+                    info.update(fill_best_fit(docs, out, eos, desc=source))
+                else:
+                    info.update(
+                        encode.pack_documents(
+                            texts, encode.encoder_for(tok), eos, out, progress=progress, desc=source
+                        )
                     )
-                )
             log.info(
                 "tokenised %s: %d rows of %d tokens from %d documents in %.1f s -> %s",
                 source,

@@ -6,6 +6,7 @@ FLOPs of a training step. Nothing is allocated: every size is arithmetic on the 
     shard_numel(shapes["model.embed_tokens.weight"], world=8)   # one rank's elements
     fsdp_units(Qwen3Config.preset("qwen3-8b"), world=8, master_bytes=4).layer_gathered
     step_flops(Qwen3Config.preset("qwen3-8b"), 1_048_576)["full_recompute"]
+    step_flops(config, 1_048_576, doc_len=95_000)     # --documents masked: attention per document
 
 FSDP2 shards every parameter on its first dimension over all ranks, padding that dimension to a
 multiple of the world size: every rank stores ceil(dim0 / world) rows, and an all-gathered unit
@@ -104,8 +105,18 @@ def fsdp_units(c: Qwen3Config, world: int, master_bytes: int) -> FsdpUnits:
     )
 
 
+def attention_square(seq_len: int, doc_len: int = 0) -> int:
+    """The sum of the squared lengths of a row's documents: what causal attention's cost grows
+    with. doc_len 0 (or >= seq_len): one document, seq_len^2; else seq_len // doc_len documents
+    of doc_len and the rest. 1,048,576 tokens of 95,000-token books: 0.090 of the row's square."""
+    if doc_len <= 0 or doc_len >= seq_len:
+        return seq_len * seq_len
+    whole, rest = divmod(seq_len, doc_len)
+    return whole * doc_len * doc_len + rest * rest
+
+
 def step_flops(
-    config: Qwen3Config, seq_len: int, *, attn_bwd_factor: float = 2.5
+    config: Qwen3Config, seq_len: int, *, attn_bwd_factor: float = 2.5, doc_len: int = 0
 ) -> dict[str, float]:
     """FLOPs of one row (2 per multiply-add), forward pieces and the three totals.
 
@@ -115,12 +126,15 @@ def step_flops(
     forward (FlashAttention's backward does 5 T^2 products against the forward's 2, recomputing
     QK^T). The one-pass loss does its 3 products in forward and none in backward: same count.
     Recomputation adds one forward of the layers, without lm_head, with or without attention.
+    doc_len: rows of documents of this length (--documents masked): attention counts the sum of
+    their squares instead of T^2 (attention_square); 0: one sequence per row.
     """
     c, T = config, seq_len
     layer_mm = sum(math.prod(s) for s in _layer_shapes(c).values() if len(s) == 2)
     dense = 2.0 * layer_mm * c.num_hidden_layers * T
     lm_head = 2.0 * c.vocab_size * c.hidden_size * T
-    attn = c.num_hidden_layers * 2 * (2.0 * T * T / 2) * c.num_attention_heads * c.head_dim
+    square = attention_square(T, doc_len)  # T^2 for one sequence
+    attn = c.num_hidden_layers * 2 * (2.0 * square / 2) * c.num_attention_heads * c.head_dim
     model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn
     return {
         "dense_fwd": dense,

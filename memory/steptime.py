@@ -380,13 +380,19 @@ def _phase(
     return Phase(name, terms, flops, bound)
 
 
-def project(p: Plan, rates: Rates | None = None) -> StepTime:
-    """The step of plan `p` on each of its GPUs, at `rates` (default: assumed_rates())."""
+def project(p: Plan, rates: Rates | None = None, *, doc_len: int = 0) -> StepTime:
+    """The step of plan `p` on each of its GPUs, at `rates` (default: assumed_rates()); doc_len:
+    rows of documents of that length (--documents masked), attention per document (0: one
+    sequence per row, as the plan counts)."""
     r = rates or assumed_rates()
     c, lay, o = p.config, p.layout, p.options
     L, sp, W = c.num_hidden_layers, lay.sp, lay.gpus
     k = kernel_flops(
-        c, p.seq_len, recomputed_layers=p.recomputed_layers, attn_bwd_factor=o.attn_bwd_factor
+        c,
+        p.seq_len,
+        recomputed_layers=p.recomputed_layers,
+        attn_bwd_factor=o.attn_bwd_factor,
+        doc_len=doc_len,
     )
     # each of a row's sp GPUs runs 1/sp of its FLOPs: rates in FLOP/s per row
     mm, af, ab, lo = (
@@ -432,8 +438,19 @@ def project(p: Plan, rates: Rates | None = None) -> StepTime:
     else:
         adamw = {"AdamW on the GPU": params_per_gpu(c, W) * r.adamw_s_per_param}
     optimizer = _phase("optimizer (clip + AdamW)", 0.0, adamw)
-    per_gpu = p.flops.step / W
+    per_gpu = p.flops.step / W * _flops(k) / _flops(_stream(c, p, o))  # the plan's, per document
     return StepTime((forward, loss, backward, optimizer), per_gpu, per_gpu / (o.tflops * 1e12), r)
+
+
+def _flops(k: KernelFlops) -> float:
+    return sum(asdict(k).values())
+
+
+def _stream(c: Qwen3Config, p: Plan, o) -> KernelFlops:
+    """The kernels of one row as the plan counts them (one sequence per row)."""
+    return kernel_flops(
+        c, p.seq_len, recomputed_layers=p.recomputed_layers, attn_bwd_factor=o.attn_bwd_factor
+    )
 
 
 # ---- before the first step -------------------------------------------------------------------

@@ -3,6 +3,7 @@
     choice = pick_backend(device, torch.bfloat16, num_heads=32, num_kv_heads=8, head_dim=128)
     set_backend(choice.name)                  # every attention() call now runs this kernel
     out = attention(q, k, v)                  # q [B, T, nh, hd], k, v [B, T, nkv, hd] -> like q
+    out = attention(q, k, v, doc_lens=(n1, n2, ...))   # causal within each document of T
 
 Backends (`pick_backend` chooses, `BACKENDS` describes):
   cudnn      aten._scaled_dot_product_cudnn_attention: SDPA's own first choice on H100/H200 with
@@ -32,6 +33,11 @@ recompute still rebuilds q, k, v (norms, projections, RoPE, Ulysses' exchanges: 
 them; a few percent of the layer) and everything after attention; the attention backward then
 gets (q, k, v, out, lse) exactly as if nothing had been dropped. Nothing here imports
 torch.distributed.
+
+Documents (doc_lens): a sequence of several documents runs the same kernel on each document's
+segment of T, in order, writing out and lse into one tensor each, laid out as one call's; the
+backward runs each segment's backward. So attention once keeps one (out, lse) per layer as for a
+single sequence, every backend serves, and attention costs the sum of the squared lengths.
 """
 
 from __future__ import annotations
@@ -452,19 +458,23 @@ def _inverse(order: list) -> list:
 
 
 class _AttentionCore(torch.autograd.Function):
-    """Causal attention on [B, heads, T, hd] views; saves (q, k, v, out, lse) for its backward."""
+    """Causal attention on [B, heads, T, hd] views; saves (q, k, v, out, lse) for its backward.
+    With doc_lens, causal attention within each document's segment of T (see _segments)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, backend):
+    def forward(ctx, q, k, v, backend, doc_lens=None):
         store = _ACTIVE
         if store is not None and store.replaying:
             out, lse = store.take()  # the recompute: the forward's results, no kernel
         else:
-            out, lse, aux = _forward(backend, q, k, v)
+            if doc_lens is None:
+                out, lse, aux = _forward(backend, q, k, v)
+            else:
+                out, lse, aux = _segments_forward(backend, q, k, v, doc_lens)
             ctx.aux = aux
             if store is not None:
                 store.put(out, lse)
-        ctx.backend = backend
+        ctx.backend, ctx.doc_lens = backend, doc_lens
         ctx.save_for_backward(
             q, k, v, out, lse
         )  # same tensors, same order, in forward and recompute
@@ -473,23 +483,98 @@ class _AttentionCore(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(ctx.backend, dout, q, k, v, out, lse, ctx.aux)
-        return dq, dk, dv, None
+        if ctx.doc_lens is None:
+            dq, dk, dv = _backward(ctx.backend, dout, q, k, v, out, lse, ctx.aux)
+        else:
+            dq, dk, dv = _segments_backward(ctx, dout, q, k, v, out, lse)
+        return dq, dk, dv, None, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Documents: causal attention within each segment of the sequence
+# ---------------------------------------------------------------------------------------------
+def _segments(doc_lens) -> list[tuple[int, int]]:
+    """[(start, end)] of each document along T; doc_lens sum to T (empty ones are skipped)."""
+    bounds, start = [], 0
+    for n in doc_lens:
+        if n > 0:
+            bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+def _segments_forward(backend: str, q, k, v, doc_lens):
+    """The kernel run on each document's [s, e) of T, its out and lse written into one out like
+    q (the same layout as one call's) and one lse [B, nh, T(, 1)]: attention once keeps the pair
+    as it keeps a single call's. aux: each segment's own, for its backward."""
+    out = torch.empty_like(q)  # [B, nh, T, hd], q's memory layout
+    lse, auxes = None, []
+    for s, e in _segments(doc_lens):
+        o, l_seg, aux = _forward(backend, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
+        if lse is None:  # [B, nh, T] fp32; cuDNN's has a trailing 1
+            lse = l_seg.new_empty((*l_seg.shape[:2], q.shape[2], *l_seg.shape[3:]))
+        out[:, :, s:e].copy_(o)
+        lse[:, :, s:e].copy_(l_seg)
+        auxes.append(aux)
+        del o, l_seg
+    return out, lse, auxes
+
+
+def _segments_backward(ctx, dout, q, k, v, out, lse):
+    """Each segment's backward on its slices of (dout, q, k, v, out, lse), written into dq, dk,
+    dv laid out like q, k, v."""
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    for (s, e), aux in zip(_segments(ctx.doc_lens), ctx.aux, strict=True):
+        grads = _backward(
+            ctx.backend,
+            dout[:, :, s:e],
+            q[:, :, s:e],
+            k[:, :, s:e],
+            v[:, :, s:e],
+            out[:, :, s:e],
+            lse[:, :, s:e].contiguous(),  # [B, nh, e - s]: the kernels read it densely
+            aux,
+        )
+        for whole, part in zip((dq, dk, dv), grads, strict=True):
+            whole[:, :, s:e].copy_(part)
+        del grads
+    return dq, dk, dv
+
+
+def _sdpa_segments(q, k, v, doc_lens, gqa: bool):
+    """torch's SDPA, causal within each document; [B, heads, T, hd] views in and out."""
+    outs = [
+        F.scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, enable_gqa=gqa
+        )
+        for s, e in _segments(doc_lens)
+    ]
+    return torch.cat(outs, dim=2)  # [B, nh, T, hd]
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    backend: str | None = None,
+    doc_lens: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
 
     Runs the pinned backend (set_backend), else the one pick_backend chooses for these shapes
     (which respects torch.nn.attention.sdpa_kernel, as torch's checks do).
     Inside an AttentionStore's run it keeps (forward) or replays (recompute) its (out, lse).
+    doc_lens (ints summing to T): T is documents one after another, and each token attends only
+    to the tokens of its own document before it (the kernel once per document; None: one).
     """
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
     if nh % nkv:
         raise ValueError(f"attention: {nh} query heads are not a multiple of {nkv} kv heads")
+    if doc_lens is not None and sum(doc_lens) != T:
+        raise ValueError(f"attention: documents of {sum(doc_lens)} tokens in all, for T={T}")
+    if doc_lens is not None and len(doc_lens) == 1:
+        doc_lens = None  # one document is the whole sequence: the plain call
     backend = (
         backend
         or _PINNED
@@ -501,6 +586,9 @@ def attention(
                 "attention-once needs a backend that returns the log-sum-exp; backend 'sdpa' "
                 "does not: pin another one, or run with --no-save-attention"
             )
+        if doc_lens is not None:
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, hd]
+            return _sdpa_segments(qt, kt, vt, doc_lens, nh != nkv).transpose(1, 2)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -510,6 +598,6 @@ def attention(
         )
         return out.transpose(1, 2)
     out = _AttentionCore.apply(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend, doc_lens
     )  # [B, nh, T, hd]
     return out.transpose(1, 2)  # [B, T, nh, hd]

@@ -18,7 +18,8 @@ One decoder layer:  x + attn(norm(x)),  then  h + mlp(norm(h)),  where attention
 Two things are left replaceable from outside, so that parallelism never edits this file:
   * `Attention.attn_fn(q, k, v)`: the attention core on [B, T, heads, head_dim] tensors
     (default: causal_attention, grouped kv heads on one pinned kernel); sequence parallelism
-    swaps in an all-to-all.
+    swaps in an all-to-all. A row of several documents (forward's doc_lens, the lengths of the
+    whole row's documents) calls attn_fn(q, k, v, doc_lens=...): causal within each document.
   * each module's forward, as usual for wrappers such as checkpointing and FSDP2.
 """
 
@@ -169,14 +170,17 @@ class RMSNorm(nn.Module):
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd]; with
+    doc_lens (ints summing to T) causal within each document.
 
     Query heads g*r .. g*r+g-1 share kv head r (g = nh / nkv), without materialising repeated k
     and v. model/attention.py runs it on one pinned kernel that also returns the log-sum-exp, so
     a checkpointed layer can keep attention from its forward instead of recomputing it.
     """
-    return attention(q, k, v)
+    return attention(q, k, v, doc_lens=doc_lens)
 
 
 class Attention(nn.Module):
@@ -196,7 +200,9 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
         self.attn_fn = causal_attention  # replaceable attention core (see module docstring)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_lens=None
+    ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim))  # [B, T, nh, hd]
         k = self.k_norm(
@@ -204,7 +210,10 @@ class Attention(nn.Module):
         )  # [B, T, nkv, hd]
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # RoPE after the q/k norms
-        out = self.attn_fn(q, k, v)  # [B, T, nh, hd]
+        if doc_lens is None:
+            out = self.attn_fn(q, k, v)  # [B, T, nh, hd]
+        else:
+            out = self.attn_fn(q, k, v, doc_lens=doc_lens)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -227,8 +236,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_lens=None
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, doc_lens)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -255,11 +266,17 @@ class Qwen3(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight  # one Parameter, two names
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        doc_lens: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] -> final normed hidden states [B, T, hidden].
 
         position_ids are GLOBAL positions: a sequence shard starting at token s passes s, s+1, ...
+        (with documents: each token's place in its document). doc_lens: the lengths of the whole
+        row's documents (B = 1; under sequence parallelism the row of every sp rank together),
+        which attention stays within; None: the row is one sequence.
         """
         B, T = input_ids.shape
         if position_ids is None:
@@ -268,7 +285,7 @@ class Qwen3(nn.Module):
         # One cos/sin table shared by every layer (never recomputed or copied per layer).
         cos, sin = rope_cos_sin(self.config, position_ids, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, doc_lens=doc_lens)
         return self.model.norm(x)
 
     def logits(

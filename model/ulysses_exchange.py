@@ -7,6 +7,9 @@ register_ulysses). README's "Use a piece in your own code" applies them to Qwen3
     ids, positions, targets = shard_row(input_ids, group)     # this rank's T/sp tokens
     hidden = model.model(input_ids=ids, position_ids=positions).last_hidden_state
     out = ulysses(q, k, v, group, core)    # any attention core on [B, T, heads, hd] tensors
+    # a row of documents (B = 1): positions restart, attention stays in each, no label across
+    ids, positions, targets = shard_row(input_ids, group, doc_lens=(n1, n2, ...))
+    hidden = model.model(input_ids=ids, position_ids=positions, doc_lens=(n1, n2, ...))
 
 Outside attention every sp rank holds a contiguous slice of the sequence, T/sp tokens, for all
 heads. Attention needs every token, so around it two all-to-alls trade the split:
@@ -23,7 +26,12 @@ the kv heads, each kv head is repeated sp/nkv times before the exchange so every
 For transformers, each rank passes its slice of input_ids and the GLOBAL position_ids (rank r's
 slice starts at r*T/sp), so RoPE rotates every token by its place in the whole row; no attention
 mask (the function registered is causal over the row, and transformers builds no mask for it).
-Our own model uses the same exchange through model/ulysses.py.
+A row of several documents passes doc_lens, the lengths of the whole row's documents, to
+shard_row (positions from 0 in each document, no target across a boundary) and to the model's
+forward, which hands its keyword arguments on to the attention function: after the first
+all-to-all every rank holds all T tokens of its heads, so attention within each document is the
+causal kernel run on each document's segment of T. Our own model uses the same exchange through
+model/ulysses.py.
 """
 
 from __future__ import annotations
@@ -132,13 +140,31 @@ def ulysses(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, core) -> t
     return _Exchange.apply(out, group, False)  # [B, T/sp, nh, hd]
 
 
-def _causal_sdpa(q, k, v, scale: float | None) -> torch.Tensor:
-    """Causal SDPA on [B, T, heads, hd] tensors (the layout ulysses hands its core)."""
+def _causal_sdpa(q, k, v, scale: float | None, doc_lens=None) -> torch.Tensor:
+    """Causal SDPA on [B, T, heads, hd] tensors (the layout ulysses hands its core); with
+    doc_lens (ints summing to T), causal within each document's segment of T."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, hd]
-    out = F.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    return out.transpose(1, 2)  # [B, T, nh, hd]
+    gqa = q.shape[1] != k.shape[1]
+    if doc_lens is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        return out.transpose(1, 2)  # [B, T, nh, hd]
+    if sum(doc_lens) != q.shape[2]:
+        raise ValueError(f"doc_lens sum to {sum(doc_lens)}, but the row has {q.shape[2]} tokens")
+    parts, s = [], 0
+    for n in doc_lens:
+        seg = slice(s, s + n)
+        parts.append(
+            F.scaled_dot_product_attention(
+                q[:, :, seg],
+                k[:, :, seg],
+                v[:, :, seg],
+                is_causal=True,
+                scale=scale,
+                enable_gqa=gqa,
+            )
+        )
+        s += n
+    return torch.cat(parts, dim=2).transpose(1, 2)  # [B, T, nh, hd]
 
 
 def transformers_attention(group):
@@ -146,7 +172,8 @@ def transformers_attention(group):
 
     It is called as transformers calls sdpa's: (module, query [B, nh, T/sp, hd], key, value
     [B, nkv, T/sp, hd], attention_mask, scaling=, dropout=, **kwargs) -> (out [B, T/sp, nh, hd],
-    None), causal over the row put together from all ranks.
+    None), causal over the row put together from all ranks; a doc_lens keyword (the lengths of
+    that whole row's documents, passed to the model's forward) keeps it within each document.
     """
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -158,8 +185,10 @@ def transformers_attention(group):
         if dropout or kwargs.get("sliding_window"):
             raise ValueError("Ulysses attention runs without dropout or a sliding window")
 
+        doc_lens = kwargs.get("doc_lens")
+
         def core(q, k, v):
-            return _causal_sdpa(q, k, v, scaling)
+            return _causal_sdpa(q, k, v, scaling, doc_lens)
 
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # [B, T/sp, heads, hd]
         return ulysses(q, k, v, group, core), None
@@ -176,13 +205,17 @@ def register_ulysses(group, name: str = "ulysses") -> str:
     return name
 
 
-def shard_row(input_ids: torch.Tensor, group, labels=None, *, ignore_index: int = -100):
+def shard_row(
+    input_ids: torch.Tensor, group, labels=None, *, ignore_index: int = -100, doc_lens=None
+):
     """This rank's share of whole rows input_ids [B, T] (the same on every rank of `group`).
 
     Returns (input_ids, position_ids, targets), each [B, T/sp]: rank r's tokens r*T/sp ..,
     their global positions, and the label each token predicts (the next token of `labels`,
     default input_ids; ignore_index after the row's end), shifted over the whole row before the
     split, so a slice's last token predicts the first token of the next rank's slice.
+    doc_lens (B = 1; ints summing to T): the row is documents: positions count from 0 in each,
+    and a document's last token predicts nothing (ignore_index: the next one is another's).
     """
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
     B, T = input_ids.shape
@@ -193,4 +226,10 @@ def shard_row(input_ids: torch.Tensor, group, labels=None, *, ignore_index: int 
     labels = input_ids if labels is None else labels
     targets = F.pad(labels[:, 1:], (0, 1), value=ignore_index)  # [B, T]: token t predicts t+1
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
+    if doc_lens is not None:
+        lens = torch.tensor(doc_lens, device=input_ids.device)  # [documents]
+        starts = torch.cumsum(lens, 0) - lens  # where each document begins
+        positions = positions - torch.repeat_interleave(starts, lens)  # [B, T]: 0 at each start
+        targets = targets.clone()
+        targets[:, torch.cumsum(lens, 0) - 1] = ignore_index  # each document's last token
     return input_ids[:, mine], positions[:, mine], targets[:, mine]

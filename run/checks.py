@@ -48,6 +48,8 @@ CHOICES = {
     "loss_on": ("all", "predictable"),
     "dtype": ("auto", "bfloat16", "float32", "float16"),
     "save_dtype": ("bfloat16", "float16", "float32"),
+    "documents": ("stream", "masked"),
+    "pack": ("concat", "best-fit"),
 }
 EVAL_TASKS = ("loss", "passkey", "kv")
 INF = math.inf
@@ -185,6 +187,23 @@ def check_flags(cfg) -> None:
         if getattr(cfg, name) not in allowed:
             raise ConfigError(
                 f"{flag(name)} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}"
+            )
+    if getattr(cfg, "documents", "stream") == "masked" and getattr(cfg, "eos_id", -1) < 0:
+        if cfg.data.startswith(("synthetic:", "tokens:")):
+            raise ConfigError(
+                f"--documents masked on {cfg.data}: token ids carry no end-of-text token to "
+                f"split documents at; pass --eos-id N (the id that ends each document)"
+            )
+    if getattr(cfg, "pack", "concat") == "best-fit":
+        if cfg.documents != "masked":
+            raise ConfigError(
+                "--pack best-fit pads rows with end-of-text tokens, whose labels only "
+                "--documents masked ignores; add --documents masked"
+            )
+        if cfg.data.startswith(("synthetic:", "tokens:")):
+            raise ConfigError(
+                f"--pack best-fit packs the documents of a text source; {cfg.data} is rows of "
+                f"ids already: use --pack concat"
             )
     if cfg.loss_on == "predictable" and not cfg.data.startswith("synthetic:"):
         raise ConfigError(

@@ -57,6 +57,8 @@ import torch.distributed as dist
 
 from data import build_rows, shard_row, sources
 from data.cache import token_cache_dir
+from data.documents import document_eos
+from data.loader import batch_to
 from data.rows import token_file_rows
 from loss.chunked_ce import token_losses
 from memory.meter import StepMeter
@@ -166,8 +168,11 @@ def too_few_rows(h: HeldOut, cfg) -> str | None:
     )
 
 
-def load_held_out(h: HeldOut, cfg, mc: Qwen3Config, model_dir: str | None) -> list:
-    """The --eval-rows rows of `h`, each seq_len + 1 ids (memory-mapped or made on demand)."""
+def load_held_out(
+    h: HeldOut, cfg, mc: Qwen3Config, model_dir: str | None
+) -> tuple[list, int | None]:
+    """The --eval-rows rows of `h`, each seq_len + 1 ids (memory-mapped or made on demand), and
+    the id that ends their documents under --documents masked (None: stream)."""
     rows = build_rows(
         h.source,
         model_dir,
@@ -177,9 +182,11 @@ def load_held_out(h: HeldOut, cfg, mc: Qwen3Config, model_dir: str | None) -> li
         seed=h.seed,
         vocab_size=mc.vocab_size,
         eos_token=cfg.eos_token or None,
+        pack=getattr(cfg, "pack", "concat"),
         progress=True,
     )
-    return [rows[h.first_row + i] for i in range(cfg.eval_rows)]
+    eos = document_eos(getattr(cfg, "documents", "stream"), getattr(cfg, "eos_id", -1), rows)
+    return [rows[h.first_row + i] for i in range(cfg.eval_rows)], eos
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,9 +203,12 @@ def bucket_edges(seq_len: int) -> list[int]:
 
 
 @torch.no_grad()
-def evaluate_rows(model, rows: list, mesh, edges: list[int], *, loss_chunk: int) -> torch.Tensor:
+def evaluate_rows(
+    model, rows: list, mesh, edges: list[int], *, loss_chunk: int, eos_id: int | None = None
+) -> torch.Tensor:
     """float64 [2, buckets] on the host: the loss sum and the label count of each position bucket
-    [edges[i], edges[i+1]), over every row on every rank. `mesh` is build_mesh's ("dp", "sp")."""
+    [edges[i], edges[i+1]), over every row on every rank. `mesh` is build_mesh's ("dp", "sp").
+    eos_id: rows of documents (data/documents.py), positions those inside each document."""
     dp, sp = mesh["dp"].size(), mesh["sp"].size()
     dp_rank, sp_rank = mesh["dp"].get_local_rank(), mesh["sp"].get_local_rank()
     device = compute_device(mesh)
@@ -206,17 +216,18 @@ def evaluate_rows(model, rows: list, mesh, edges: list[int], *, loss_chunk: int)
     totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64, device=device)
     for i in range(-(-len(rows) // dp)):  # every rank the same number of forwards
         j = i * dp + dp_rank
-        batch = shard_row(rows[min(j, len(rows) - 1)], sp_rank, sp, IGNORE)
+        batch = shard_row(rows[min(j, len(rows) - 1)], sp_rank, sp, IGNORE, eos_id=eos_id)
         if j >= len(rows):  # no row left for this rank: count nothing
             batch["labels"].fill_(IGNORE)
-        batch = {k: v.to(device) for k, v in batch.items()}
-        hidden = model(batch["input_ids"], batch["position_ids"])  # [1, T/sp, hidden]
+        batch = batch_to(batch, device)
+        hidden = model(batch["input_ids"], batch["position_ids"], batch.get("doc_lens"))
         labels = batch["labels"].flatten()  # [T/sp]
         losses = token_losses(
             hidden.flatten(0, 1), model.lm_head.weight, labels, chunk_size=loss_chunk
         )  # [T/sp], 0 where not counted
         del hidden
-        # The bucket of each token by its place in the whole row, not in this rank's slice.
+        # The bucket of each token by its place in the whole row, not in this rank's slice
+        # (with documents: in its document).
         bucket = torch.bucketize(batch["position_ids"].flatten(), inner, right=True)
         totals[0].index_add_(0, bucket, losses.double())
         totals[1].index_add_(0, bucket, (labels != IGNORE).double())
@@ -315,9 +326,10 @@ def can_draw() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def draw(records: list[dict], path: str, context: int | None = None) -> None:
+def draw(records: list[dict], path: str, context: int | None = None, within: str = "row") -> None:
     """Loss against position (log scale) for each record, as steps over its buckets; a dotted
-    line at `context` (the model's original context) when the rows reach past it."""
+    line at `context` (the model's original context) when the rows reach past it; `within`:
+    what the positions count in, the "row" or (--documents masked) the "document"."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
     from matplotlib.ticker import FuncFormatter
 
@@ -342,7 +354,7 @@ def draw(records: list[dict], path: str, context: int | None = None) -> None:
         )
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: _tokens(int(x))))
-    ax.set_xlabel("position in the row (tokens)")
+    ax.set_xlabel(f"position in the {within} (tokens)")  # "document": --documents masked
     ax.set_ylabel("mean loss (nats)")
     ax.set_title("held-out loss by position")
     ax.grid(alpha=0.3)
@@ -374,8 +386,11 @@ class Evaluation:
     """The evaluations of one launch; see the module docstring. rows: the held-out rows (None:
     none); retrieval: {task: its cases} (run/retrieval.py); neither: evaluation off."""
 
-    def __init__(self, cfg, mc, rows, mesh, log, plan, *, measure, optimizer, pool, retrieval):
+    def __init__(
+        self, cfg, mc, rows, mesh, log, plan, *, measure, optimizer, pool, retrieval, eos_id=None
+    ):
         self.cfg, self.mc, self.rows, self.mesh, self.log = cfg, mc, rows, mesh, log
+        self.eos_id = eos_id  # None: each row one sequence; else documents (--documents masked)
         self.planned_gb = plan.eval_total / 1e9
         self.measure, self.optimizer, self.pool = measure, optimizer, pool
         self.edges = bucket_edges(cfg.seq_len)
@@ -428,7 +443,12 @@ class Evaluation:
         totals, seconds, peak = self.measured(
             model,
             lambda: evaluate_rows(
-                model, self.rows, self.mesh, self.edges, loss_chunk=self.cfg.loss_chunk
+                model,
+                self.rows,
+                self.mesh,
+                self.edges,
+                loss_chunk=self.cfg.loss_chunk,
+                eos_id=self.eos_id,
             ),
         )
         rec = eval_record(
@@ -488,7 +508,8 @@ class Evaluation:
                 self.log.say(line)
             return []
         path = os.path.join(self.cfg.out, PICTURE)
-        draw(shown, path, original_context(self.mc))
+        within = "row" if self.eos_id is None else "document"
+        draw(shown, path, original_context(self.mc), within)
         steps = " -> ".join(f"step {r['step']}" for r in shown)
         self.log.say(f"eval: loss by position, {steps}: {path}")
         return [path]
@@ -515,14 +536,14 @@ def start_evaluation(
     evaluated (a fresh run's; a resumed one has it in its metrics file). optimizer and pool (the
     offload pool): what the meter counts as held before the evaluation (None: nothing); plan:
     memory/plan.py's."""
-    rows, why_not, h, cases = None, None, None, {}
+    rows, why_not, h, cases, eos = None, None, None, {}, None
     if evaluating(cfg):
         h = held_out(cfg, mesh["dp"].size())
         why_not = too_few_rows(h, cfg) if h else None
         # Rows for the held-out loss, and for the retrieval haystack when they are not synthetic.
         text = h is not None and not h.source.startswith("synthetic:")
         if h is not None and not why_not and ("loss" in eval_tasks(cfg) or text):
-            rows = load_held_out(h, cfg, mc, model_dir)
+            rows, eos = load_held_out(h, cfg, mc, model_dir)
         if not why_not:
             filler = rows if text else None
             cases = {
@@ -540,6 +561,7 @@ def start_evaluation(
         optimizer=optimizer,
         pool=pool,
         retrieval=cases,
+        eos_id=eos,
     )
     if why_not:
         log.say(f"eval: off: {why_not}")

@@ -27,11 +27,12 @@ import time
 
 import torch
 
+from data.documents import even_documents
 from memory.choices import layout_for_run, plan_for_run
 from memory.layouts import format_choice, write_layout
 from memory.model_size import step_flops
 from memory.report import format_plan
-from memory.steptime import assumed_rates, read_calibration
+from memory.steptime import assumed_rates, project, read_calibration
 from memory.sweep import format_sweep, sweep
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
@@ -85,6 +86,8 @@ def dry_run(cfg) -> None:
         print(f"layout written to {cfg.layout_out} (train.py --layout {cfg.layout_out})")
     for line in retrieval_time(cfg, mc, sp, dp, rates):
         print(line)
+    if cfg.doc_len > 0:
+        print("\n" + "\n".join(documents_projection(p, rates, cfg.doc_len)))
     if cfg.sweep:
         print("\n" + format_sweep(p, sweep(p, rates)))
 
@@ -125,6 +128,26 @@ def _tokens(n: int) -> str:
     return f"{n:,}"
 
 
+def documents_projection(p, rates, doc_len: int) -> list[str]:
+    """--dry-run --doc-len N: attention and the step projected for rows of N-token documents
+    (--documents masked: attention within each) beside one stream per row."""
+    c, o = p.config, p.options
+    stream = step_flops(c, p.seq_len, attn_bwd_factor=o.attn_bwd_factor)
+    docs = step_flops(c, p.seq_len, attn_bwd_factor=o.attn_bwd_factor, doc_len=doc_len)
+    t_stream, t_docs = project(p, rates), project(p, rates, doc_len=doc_len)
+    n = len(even_documents(p.seq_len, doc_len))
+    return [
+        f"documents of {doc_len:,} tokens (--documents masked: {n} per row of "
+        f"{p.seq_len:,} tokens) against one stream per row:",
+        f"  attention forward per row  {docs['attention_fwd']:.3e} FLOPs, "
+        f"{docs['attention_fwd'] / stream['attention_fwd']:.3f} of the stream's "
+        f"{stream['attention_fwd']:.3e}",
+        f"  step, projected            {t_docs.step_s:,.0f} s (stream: {t_stream.step_s:,.0f} s), "
+        f"attention at the stream's rate",
+        "  memory                     as planned above (attention's buffers are the row's)",
+    ]
+
+
 def rehearse(cfg, make_optimizer, train_step) -> None:
     """Two steps of this exact run through train.py's train_step on fake tensors
     (memory/rehearsal.py): measured memory per phase and FLOPs next to the plan, then
@@ -163,6 +186,12 @@ def rehearse(cfg, make_optimizer, train_step) -> None:
     report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps)
 
 
+def rehearsed_doc_len(cfg) -> int:
+    """The document length a rehearsal runs attention by: --doc-len with --documents masked,
+    else 0 (one sequence per row)."""
+    return cfg.doc_len if cfg.documents == "masked" else 0
+
+
 def rehearse_step(step: int, cfg, model, optimizer, pool, mode, sp: int, train_step):
     """One step on fake tensors under memory/rehearsal.py's StepRehearsal, which it returns."""
     from memory.rehearsal import StepRehearsal
@@ -175,12 +204,15 @@ def rehearse_step(step: int, cfg, model, optimizer, pool, mode, sp: int, train_s
             position_ids=torch.arange(tokens).unsqueeze(0),
             labels=torch.zeros(1, tokens, dtype=torch.long),
         )
+        tensors = list(batch.values())
+        if rehearsed_doc_len(cfg):  # --documents masked --doc-len N: the row's documents
+            batch["doc_lens"] = even_documents(tokens * sp, rehearsed_doc_len(cfg))
         micro_batches = [dict(batch) for _ in range(cfg.grad_accum)]
         rehearsal = StepRehearsal(
             model,
             optimizer,
             pool,
-            batch=batch.values(),
+            batch=tensors,
             layers=model.model.layers,
             count_flops=step == 1,
             host_state=cfg.cpu_offload,
@@ -199,7 +231,10 @@ def report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps) -> None:
     # The plan of this CPU path is what the rehearsal measures; the GPU terms come on top.
     cpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cpu")
     gpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
-    flops_planned = planned.flops.step / dp  # one row, which an sp group shares
+    # one row, which an sp group shares: a layer that keeps its attention skips its forward
+    f = step_flops(mc, cfg.seq_len, doc_len=rehearsed_doc_len(cfg))
+    recomputed = planned.recomputed_layers / mc.num_hidden_layers
+    flops_planned = f["no_attn_recompute"] + recomputed * f["attention_fwd"]
     lines, record = summarize(steps, cpu_plan, flops_planned / sp, gpu_only_terms(gpu_plan))
     for line in lines:
         log0(line)
