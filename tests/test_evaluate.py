@@ -189,7 +189,8 @@ def test_context_check_warns_past_a_short_trained_context(tmp_path, one_thread):
 def test_planned_eval_peak_is_below_the_training_step_everywhere():
     """The planner's side of "an evaluation never makes a run that fits stop fitting": over
     the presets, row lengths and options, and the memory matrix's configurations."""
-    from test_memory_matrix import MATRIX, _spec
+    from test_memory_matrix import MATRIX
+    from test_memory_matrix import _plan as matrix_plan
 
     from memory.plan import plan
 
@@ -204,16 +205,7 @@ def test_planned_eval_peak_is_below_the_training_step_everywhere():
                 dict(cpu_offload=True, mlp_tile=16384),
             ):
                 cases.append(plan(c, seq_len, gpus=8, sp=8, **options))
-    for name in MATRIX:
-        c, world, sp, seq_len, dtype, offload, tile, chunk, nc, sa, co = _spec(name)
-        cases.append(
-            plan(
-                c, seq_len, gpus=world, sp=sp, offload=offload, tiled_mlp=tile > 0,
-                mlp_tile=tile or None, loss_chunk=chunk, device="cpu", norm_chunk=nc,
-                compute_bytes=torch.finfo(getattr(torch, dtype)).bits // 8, save_attention=sa,
-                cpu_offload=co,
-            )
-        )  # fmt: skip
+    cases += [matrix_plan(name) for name in MATRIX]  # mixed layouts among them
     for p in cases:
         assert p.eval_total < p.total, (p.options, p.eval_peak.name)
 
