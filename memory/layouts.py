@@ -138,9 +138,9 @@ def why_not(c: Candidate) -> str:
     parts = []
     if not p.fits_gpu:
         room = (o.gpu_mem_gb - o.reserve_gb) * GB
-        parts.append(f"needs {c.gpu_bytes / GB:.1f} GB per GPU of {room / GB:.1f} usable")
+        parts.append(f"needs {c.gpu_bytes / GB:.3g} GB per GPU of {room / GB:.3g} usable")
     if not p.fits_host:
-        parts.append(f"needs {p.host.per_node / GB:.0f} GB host per node of {o.host_mem_gb:g}")
+        parts.append(f"needs {p.host.per_node / GB:.4g} GB host per node of {o.host_mem_gb:g}")
     return " and ".join(parts) or "fits"
 
 

@@ -77,7 +77,10 @@ def dry_run(cfg) -> None:
         rates = read_calibration(cfg.calibration) if cfg.calibration else None
     except ValueError as e:
         raise ConfigError(f"--calibration {e}") from None
-    choice = layout_for_run(cfg, mc, world, sp, dp, planned_dtype(cfg), "cuda", rates)
+    try:  # a --layout file for another model, say
+        choice = layout_for_run(cfg, mc, world, sp, dp, planned_dtype(cfg), "cuda", rates)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     p = choice.chosen.plan if choice.chosen else choice.refused[0][0].plan
     print(format_plan(p, rates=rates))
     print("\n" + "\n".join(format_choice(choice)))
@@ -163,7 +166,10 @@ def rehearse(cfg, make_optimizer, train_step) -> None:
     device, dtype = torch.device("cpu"), planned_dtype(cfg)
     cfg = dataclasses.replace(cfg, dtype=str(dtype)[6:], attn_backend="auto")
     # The layout a GPU run would choose, pinned as a file: the CPU path rehearses exactly it.
-    choice = layout_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
+    try:
+        choice = layout_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     os.makedirs(cfg.out, exist_ok=True)
     pinned = os.path.join(cfg.out, "layout.json")
     write_layout(pinned, choice.chosen.plan if choice.chosen else choice.refused[0][0].plan)
