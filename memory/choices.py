@@ -43,8 +43,16 @@ def _run_options(
         model=cfg.model,
         device=device,
         attn_backend=getattr(cfg, "attn_backend", "auto"),
+        doc_len=documents_length(cfg),
         **({"reserve_gb": 0.0, "host_overhead_gb": 0.0} if cpu else {}),
     )
+
+
+def documents_length(cfg) -> int:
+    """The document length a run plans attention by: --doc-len with --documents masked (a dry
+    run's or a rehearsal's typical length), else 0 (one sequence per row)."""
+    masked = getattr(cfg, "documents", "stream") == "masked"
+    return getattr(cfg, "doc_len", 0) if masked else 0
 
 
 def run_pins(cfg) -> Pins:

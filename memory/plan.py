@@ -147,6 +147,9 @@ class Options:
     tflops: float = 989.0  # dense bf16 TFLOP/s per GPU (H100 SXM)
     mfu: float = 1.0  # the fraction of tflops the times assume; 1.0 gives the floor
     attn_bwd_factor: float = 2.5  # attention's backward FLOPs over its forward's
+    # --documents masked: rows of documents of this length, attention within each (its FLOPs the
+    # sum of the documents' squares); 0: one sequence per row
+    doc_len: int = 0
     host_gbps: float = 200.0  # host memory bandwidth per node, for CPU AdamW's time
     model: str | None = None  # the model's name in the table
 
@@ -694,7 +697,7 @@ def _cpu_offload_cost(c: Qwen3Config, layout: Layout, o: Options, u: FsdpUnits) 
 
 def _flops(c: Qwen3Config, seq_len: int, layout: Layout, o: Options, placements) -> Flops:
     """A layer that keeps its attention skips attention's forward in its recompute."""
-    per_row = step_flops(c, seq_len, attn_bwd_factor=o.attn_bwd_factor)
+    per_row = step_flops(c, seq_len, attn_bwd_factor=o.attn_bwd_factor, doc_len=o.doc_len)
     dp, rate = layout.dp, layout.gpus * o.tflops * 1e12 * o.mfu
     recomputed = sum(p.attention == "recompute" for p in placements) / c.num_hidden_layers
     run = dp * (per_row["no_attn_recompute"] + recomputed * per_row["attention_fwd"])

@@ -380,12 +380,13 @@ def _phase(
     return Phase(name, terms, flops, bound)
 
 
-def project(p: Plan, rates: Rates | None = None, *, doc_len: int = 0) -> StepTime:
+def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) -> StepTime:
     """The step of plan `p` on each of its GPUs, at `rates` (default: assumed_rates()); doc_len:
-    rows of documents of that length (--documents masked), attention per document (0: one
-    sequence per row, as the plan counts)."""
+    rows of documents of that length (--documents masked), attention per document; 0: one
+    sequence per row; None: as the plan counts (its options.doc_len)."""
     r = rates or assumed_rates()
     c, lay, o = p.config, p.layout, p.options
+    doc_len = o.doc_len if doc_len is None else doc_len
     L, sp, W = c.num_hidden_layers, lay.sp, lay.gpus
     k = kernel_flops(
         c,
@@ -447,9 +448,13 @@ def _flops(k: KernelFlops) -> float:
 
 
 def _stream(c: Qwen3Config, p: Plan, o) -> KernelFlops:
-    """The kernels of one row as the plan counts them (one sequence per row)."""
+    """The kernels of one row as the plan counts them (its documents, or one sequence)."""
     return kernel_flops(
-        c, p.seq_len, recomputed_layers=p.recomputed_layers, attn_bwd_factor=o.attn_bwd_factor
+        c,
+        p.seq_len,
+        recomputed_layers=p.recomputed_layers,
+        attn_bwd_factor=o.attn_bwd_factor,
+        doc_len=o.doc_len,
     )
 
 

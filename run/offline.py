@@ -28,7 +28,7 @@ import time
 import torch
 
 from data.documents import even_documents
-from memory.choices import layout_for_run, plan_for_run
+from memory.choices import documents_length, layout_for_run, plan_for_run
 from memory.layouts import format_choice, write_layout
 from memory.model_size import step_flops
 from memory.report import format_plan
@@ -137,7 +137,7 @@ def documents_projection(p, rates, doc_len: int) -> list[str]:
     c, o = p.config, p.options
     stream = step_flops(c, p.seq_len, attn_bwd_factor=o.attn_bwd_factor)
     docs = step_flops(c, p.seq_len, attn_bwd_factor=o.attn_bwd_factor, doc_len=doc_len)
-    t_stream, t_docs = project(p, rates), project(p, rates, doc_len=doc_len)
+    t_stream, t_docs = project(p, rates, doc_len=0), project(p, rates, doc_len=doc_len)
     n = len(even_documents(p.seq_len, doc_len))
     return [
         f"documents of {doc_len:,} tokens (--documents masked: {n} per row of "
@@ -192,12 +192,6 @@ def rehearse(cfg, make_optimizer, train_step) -> None:
     report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps)
 
 
-def rehearsed_doc_len(cfg) -> int:
-    """The document length a rehearsal runs attention by: --doc-len with --documents masked,
-    else 0 (one sequence per row)."""
-    return cfg.doc_len if cfg.documents == "masked" else 0
-
-
 def rehearse_step(step: int, cfg, model, optimizer, pool, mode, sp: int, train_step):
     """One step on fake tensors under memory/rehearsal.py's StepRehearsal, which it returns."""
     from memory.rehearsal import StepRehearsal
@@ -211,8 +205,8 @@ def rehearse_step(step: int, cfg, model, optimizer, pool, mode, sp: int, train_s
             labels=torch.zeros(1, tokens, dtype=torch.long),
         )
         tensors = list(batch.values())
-        if rehearsed_doc_len(cfg):  # --documents masked --doc-len N: the row's documents
-            batch["doc_lens"] = even_documents(tokens * sp, rehearsed_doc_len(cfg))
+        if documents_length(cfg):  # --documents masked --doc-len N: the row's documents
+            batch["doc_lens"] = even_documents(tokens * sp, documents_length(cfg))
         micro_batches = [dict(batch) for _ in range(cfg.grad_accum)]
         rehearsal = StepRehearsal(
             model,
@@ -237,10 +231,7 @@ def report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps) -> None:
     # The plan of this CPU path is what the rehearsal measures; the GPU terms come on top.
     cpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cpu")
     gpu_plan = plan_for_run(cfg, mc, world, sp, dp, dtype, "cuda")
-    # one row, which an sp group shares: a layer that keeps its attention skips its forward
-    f = step_flops(mc, cfg.seq_len, doc_len=rehearsed_doc_len(cfg))
-    recomputed = planned.recomputed_layers / mc.num_hidden_layers
-    flops_planned = f["no_attn_recompute"] + recomputed * f["attention_fwd"]
+    flops_planned = planned.flops.step / dp  # one row (its documents), which an sp group shares
     lines, record = summarize(steps, cpu_plan, flops_planned / sp, gpu_only_terms(gpu_plan))
     for line in lines:
         log0(line)
