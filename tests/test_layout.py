@@ -113,3 +113,60 @@ def test_product_speaks_of_the_project_as_it_is(path):
         assert not pattern.search(text), f"{path}: {pattern.search(text).group(0)!r}"
     # Failure injection lives in the tests (monkeypatching), not in variables product code reads.
     assert not re.search(r"environ[^\n]*TRAIN_(TEST|FAKE)", text), path
+
+
+def tour_rows() -> list[tuple[str, int]]:
+    """README's file tour: (path, lines) of each row `| \\`path\\` | what it is | lines |`."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    tour = text[text.index("<!-- tour -->") :]
+    return [(p, int(n)) for p, n in re.findall(r"^\| `([^`]+)` \| .* \| (\d+) \|$", tour, re.M)]
+
+
+def lines_of(path: str) -> int:
+    with open(os.path.join(ROOT, path)) as f:
+        return sum(1 for _ in f)
+
+
+def test_readme_file_tour_line_counts_are_the_files():
+    """Each file row's count is the file's line count; a directory row (`data/`, `bench/`)
+    counts its .py files that have no row of their own."""
+    rows = tour_rows()
+    named = {p for p, _ in rows}
+    assert {"train.py", "loss/chunked_ce.py", "memory/plan.py"} <= named
+    for path, n in rows:
+        if path.endswith("/"):
+            rest = [f for f in python_files(path.rstrip("/")) if f not in named]
+            want = sum(lines_of(f) for f in rest)
+        else:
+            want = lines_of(path)
+        assert n == want, f"README's tour says {path} has {n} lines; it has {want}"
+
+
+def run_imports(path: str) -> set[str]:
+    """The run/ modules a run/ file imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(parse(path)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "run":
+                found.update(f"run.{a.name}" for a in node.names)
+            elif node.module.startswith("run."):
+                found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("run."))
+    return found - {path[:-3].replace("/", ".")}
+
+
+def test_run_has_no_import_circle():
+    """Read top to bottom, run/'s files form a tree of imports: no two of them need each other,
+    however far apart (lazy imports inside functions count too)."""
+    graph = {p[:-3].replace("/", "."): run_imports(p) for p in python_files("run")}
+
+    def reaches(start: str, goal: str, seen: set) -> bool:
+        for nxt in graph.get(start, ()):
+            if nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})):
+                return True
+        return False
+
+    circles = sorted(m for m in graph if reaches(m, m, {m}))
+    assert not circles, f"run/ modules that import themselves through others: {circles}"
