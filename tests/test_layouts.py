@@ -10,17 +10,19 @@ inputs that fit form one range, found by bisection.
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from dist_utils import run_train
 from hf_ref import hf_model, ref_loss_and_norm, save_hf
+from test_train import CFG as TRAIN_CFG
 
 from memory.layouts import StepLayout, choose_layout, read_layout
 from memory.plan import plan
 from memory.steptime import project
 from model.checkpoint_offload import default_placements
-from model.config import Qwen3Config, load_config
+from model.config import load_config
 
 M = 2**20
 # (model, tokens, GPUs per node = sp, GB per GPU, GB host per node)
@@ -149,17 +151,7 @@ def test_the_recipe_and_qwen3_32b_in_the_dry_run():
 
 
 # ---- through train.py on CPU: a device budget between the all-device and all-host plans -------
-CFG = Qwen3Config(
-    vocab_size=211,
-    hidden_size=48,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+CFG = replace(TRAIN_CFG, num_hidden_layers=4)  # four layers: room for a mixed layout
 SEQ = 256
 
 
