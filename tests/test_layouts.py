@@ -14,11 +14,11 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from dist_utils import run_train
+from dist_utils import run_distributed, run_train
 from hf_ref import hf_model, ref_loss_and_norm, save_hf
 from test_train import CFG as TRAIN_CFG
 
-from memory.layouts import StepLayout, choose_layout, read_layout
+from memory.layouts import Pins, StepLayout, choose_layout, read_layout
 from memory.plan import plan
 from memory.steptime import project
 from model.checkpoint_offload import default_placements
@@ -126,6 +126,64 @@ def test_the_chosen_layout_fits_and_none_faster_does(case):
                 p, t = _plan(c, seq_len, StepLayout(cpu, m, a, k - a), **kw)
                 assert not (p.fits and t < chosen.step_s * (1 - 1e-9)), (case, cpu, k, a, m)
     print(f"  {checked} faster splits checked, none fits")
+
+
+def test_flags_pin_their_part_and_the_rest_is_still_chosen():
+    """At 512 GB of host the free choice keeps every attention and moves inputs to the GPU; each
+    pin holds in the layout chosen under it, which still fits."""
+    c = load_config("qwen3-8b")
+    kw = dict(gpus=8, sp=8, gpu_mem_gb=80, host_mem_gb=512)
+    free = choose_layout(c, M, **kw).chosen.plan
+    assert free.recomputed_layers == 0 and not free.options.cpu_offload
+    for pins, holds in (
+        (Pins(cpu_offload=True), lambda p: p.options.cpu_offload),
+        (Pins(save_attention=False), lambda p: p.recomputed_layers == 36),
+        (Pins(save_attention=True), lambda p: p.recomputed_layers == 0),
+        (Pins(offload=False), lambda p: all(x.input == "device" for x in p.placements)),
+    ):
+        choice = choose_layout(c, M, pins=pins, **kw)
+        assert choice.chosen is not None and choice.chosen.plan.fits, pins
+        assert holds(choice.chosen.plan), (pins, choice.chosen.describe())
+        assert choice.chosen.step_s >= choose_layout(c, M, **kw).chosen.step_s * (1 - 1e-9)
+
+
+def _build_order(rank, world) -> list:
+    """run/build.py's build_model on one gloo rank, recording its plans, the probe and the
+    reserve in the order they come (each patched to record, the probe choosing cpu_flash)."""
+    import dataclasses
+
+    import torch
+
+    import train
+    from model.attention import BackendChoice
+    from model.parallel import build_mesh
+    from run import build
+
+    seen = []
+    plan_for_run = build.plan_for_run
+
+    def recording(cfg, *args, **kwargs):
+        seen.append(("plan", cfg.attn_backend))
+        return plan_for_run(cfg, *args, **kwargs)
+
+    def probe(cfg, mc, sp, device, dtype):
+        seen.append(("probe", cfg.attn_backend))
+        return dataclasses.replace(cfg, attn_backend="cpu_flash"), BackendChoice("cpu_flash")
+
+    build.plan_for_run, build.choose_attention = recording, probe
+    build.reserve_host_blocks = lambda *args, **kwargs: seen.append(("reserve", None))
+    cfg = train.TrainConfig(seq_len=64, offload_min_bytes=0)
+    mesh = build_mesh(world, 1, "cpu")
+    build.build_model(cfg, CFG, None, mesh, 1, torch.device("cpu"), torch.float32)
+    return seen
+
+
+def test_the_layout_is_planned_again_with_the_kernel_the_probe_chose():
+    """run/build.py plans the layout, builds the model, lets the probe choose its kernel, then
+    plans again with that kernel before the pool reserves a block (flash's backward needs more
+    than cuDNN's)."""
+    (seen,) = run_distributed(_build_order, 1)
+    assert seen == [("plan", "auto"), ("probe", "auto"), ("plan", "cpu_flash"), ("reserve", None)]
 
 
 def test_the_recipe_and_qwen3_32b_in_the_dry_run():
