@@ -26,9 +26,11 @@ at the run's own per-rank layout and length and passes over one that fails, nami
 Attention once. Whole-layer checkpointing runs a layer's forward twice: in forward, and again in
 backward to rebuild what the layer saved. At a million tokens attention is ~96% of a layer's FLOPs,
 so the second run is ~21% of the step. An `AttentionStore` is the fix: the checkpoint wrapper
-(model/checkpoint_offload.py) runs the layer body through `store.run`; in the body's first run
-each attention() call keeps its (out, lse) in the store (on the host when offloading), and in any
-later run (checkpoint's recompute) it hands them back instead of running the kernel. The
+(model/checkpoint_offload.py) passes one to every attention() call of a layer's body
+(attention(..., store=store)); in the body's first run each call keeps its (out, lse) in the
+store (on the host when offloading), and in any later run (checkpoint's recompute, which the
+wrapper announces with store.begin(replaying=True)) it hands them back instead of running the
+kernel. The
 recompute still rebuilds q, k, v (norms, projections, RoPE, Ulysses' exchanges: backward needs
 them; a few percent of the layer) and everything after attention; the attention backward then
 gets (q, k, v, out, lse) exactly as if nothing had been dropped. Nothing here imports
@@ -386,38 +388,27 @@ def _math_backward(dout, q, k, v, out, lse):
 # ---------------------------------------------------------------------------------------------
 # Attention kept from the forward for the backward
 # ---------------------------------------------------------------------------------------------
-_ACTIVE = None  # the AttentionStore of the layer body running now (in whichever thread runs it)
-
-
 class AttentionStore:
-    """The (out, lse) of each attention() call in one run of a layer body, for its later runs.
+    """The (out, lse) of each attention() call in one run of a layer body, for its later runs:
+    attention(..., store=store) keeps them in the forward and, once begin(replaying=True) says
+    a run is a recompute, hands them back instead of running the kernel.
 
     keep(t) -> handle and fetch(handle) -> t move a kept tensor away and back (the offload pool's
     host copies); by default they keep it where it is. One store per layer call: it lives as long
     as checkpoint's recompute closure, i.e. as long as the layer's part of the autograd graph.
+    model/checkpoint_offload.py's LayerReplay owns it and says which run is which.
     """
 
     def __init__(self, keep=None, fetch=None):
         self.keep = keep or (lambda t: t)
         self.fetch = fetch or (lambda h: h)
         self.kept: list = []  # [(out handle, lse handle, their memory orders)] in call order
-        self.runs = 0  # runs of the body: the first is the forward, later ones are recomputes
+        self.replaying = False  # this run is a recompute: hand back, do not keep
         self.i = 0  # attention calls so far in the current run
 
-    @property
-    def replaying(self) -> bool:
-        return self.runs > 1
-
-    def run(self, body, *args, **kwargs):
-        """Run `body` with this store active: the forward the first time, a recompute after."""
-        global _ACTIVE
-        self.runs += 1
-        self.i = 0
-        prev, _ACTIVE = _ACTIVE, self
-        try:
-            return body(*args, **kwargs)
-        finally:
-            _ACTIVE = prev
+    def begin(self, *, replaying: bool) -> None:
+        """A run of the layer body starts: the forward (replaying=False) or a recompute."""
+        self.replaying, self.i = replaying, 0
 
     def put(self, out, lse) -> None:
         """Keep out and lse, each contiguous in its own memory order (a host copy then round-trips
@@ -462,8 +453,7 @@ class _AttentionCore(torch.autograd.Function):
     With doc_lens, causal attention within each document's segment of T (see _segments)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, backend, doc_lens=None):
-        store = _ACTIVE
+    def forward(ctx, q, k, v, backend, doc_lens=None, store=None):
         if store is not None and store.replaying:
             out, lse = store.take()  # the recompute: the forward's results, no kernel
         else:
@@ -487,7 +477,7 @@ class _AttentionCore(torch.autograd.Function):
             dq, dk, dv = _backward(ctx.backend, dout, q, k, v, out, lse, ctx.aux)
         else:
             dq, dk, dv = _segments_backward(ctx, dout, q, k, v, out, lse)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,12 +548,13 @@ def attention(
     v: torch.Tensor,
     backend: str | None = None,
     doc_lens: tuple[int, ...] | None = None,
+    store: AttentionStore | None = None,
 ) -> torch.Tensor:
     """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
 
     Runs the pinned backend (set_backend), else the one pick_backend chooses for these shapes
     (which respects torch.nn.attention.sdpa_kernel, as torch's checks do).
-    Inside an AttentionStore's run it keeps (forward) or replays (recompute) its (out, lse).
+    With a store it keeps (forward) or replays (recompute) its (out, lse).
     doc_lens (ints summing to T): T is documents one after another, and each token attends only
     to the tokens of its own document before it (the kernel once per document; None: one).
     """
@@ -581,7 +572,7 @@ def attention(
         or _auto_backend(q.device, q.dtype, nh, nkv, hd, T <= MATH_MAX_TOKENS, _sdp_flags())
     )
     if backend == "sdpa":
-        if _ACTIVE is not None:
+        if store is not None:
             raise RuntimeError(
                 "attention-once needs a backend that returns the log-sum-exp; backend 'sdpa' "
                 "does not: pin another one, or run with --no-save-attention"
@@ -598,6 +589,6 @@ def attention(
         )
         return out.transpose(1, 2)
     out = _AttentionCore.apply(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend, doc_lens
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend, doc_lens, store
     )  # [B, nh, T, hd]
     return out.transpose(1, 2)  # [B, T, nh, hd]

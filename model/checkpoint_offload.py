@@ -35,6 +35,8 @@ already keeps nothing of a layer but its inputs, on the host. What each addition
     recompute skips attention's forward (~96% of a layer's FLOPs at a million tokens).
   * a tiled MLP (tile_mlp) skips its tile loop in the recompute: only its saved input is needed
     there (model/tiled_mlp.py's output_unused): 11 MLP GEMMs per layer a step instead of 14.
+  * one LayerReplay per layer call holds what a recompute does differently (the prefetch, the
+    attention store, the tiled MLP's skip), in the order it does it; no module-level state.
 Why not torch's selective activation checkpointing (SAC) for attention: SAC decides per op
 whether to save or recompute, so it can save attention's outputs, but it keeps what it saves as
 device tensors in its own cache, not through saved-tensor hooks: no save_on_cpu or pool around
@@ -66,13 +68,13 @@ fully_shard came before or after apply_offload; the recompute calls the plain bo
 backward, after FSDP2's pre-backward hook has gathered the parameters again. A replaced
 `self_attn.attn_fn` runs in forward and recompute like any other code in the body.
 
-Attention once: each layer call runs its body through a fresh model.attention.AttentionStore,
-whose attention() calls keep (out, lse) in the forward, as host copies from the pool, and hand
-them back in the recompute instead of running the kernel again. The pool keeps them in one group
-with the layer's input, so the three copies back start together, one layer ahead: when the layer
-after it (in forward order) begins its recompute. The last layer keeps its input and attention
-on the device (backward starts with it, so a copy there would stall), and its recompute starts
-the copies back of the layer before it.
+Attention once: each layer call gives its attention core a fresh model.attention.AttentionStore
+(as store=, through LayerReplay), whose attention() calls keep (out, lse) in the forward, as host
+copies from the pool, and hand them back in the recompute instead of running the kernel again.
+The pool keeps them in one group with the layer's input, so the three copies back start
+together, one layer ahead: when the layer after it (in forward order) begins its recompute. The
+last layer keeps its input and attention on the device (backward starts with it, so a copy there
+would stall), and its recompute starts the copies back of the layer before it.
 
 Placement per layer (LayerPlacement, one per layer in placements=): the input on the "host" or
 the "device" (checkpointed, not moved: the pool's hooks are not installed around it), attention
@@ -114,6 +116,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LayerPlacement",
+    "LayerReplay",
     "OffloadedTensor",
     "apply_offload",
     "default_placements",
@@ -148,23 +151,53 @@ def _keep_on_host(pool: HostPool, t: torch.Tensor):
     return t if h is alias else h  # below min_bytes: kept here, as it was
 
 
-class _Runs:
-    """One layer call's body: its first run is the forward, later runs are checkpoint's recomputes,
-    which first call `on_recompute` (the pool's prefetcher) and run inside `recompute_context` (a
-    tiled MLP's output_unused); either may be None."""
+class LayerReplay:
+    """One layer call's replay state, owned by the wrapper and handed to what the body runs: the
+    body's first run is the forward, each later run is checkpoint's recompute. A recompute, in
+    this order:
+      1. starts the copies back of the nearest earlier layer that put tensors in the pool, when
+         this layer put none there itself (`prefetch`, the pool's prefetcher; a layer that did
+         is fetched by the pool itself, as the layer after it recomputes: model/host_pool.py);
+      2. tells the attention store (model/attention.py's AttentionStore, given to this layer's
+         attention core as its store= argument) to hand back the forward's (out, lse);
+      3. runs the tiled MLP (model/tiled_mlp.py's TiledForward) with its tiles skipped.
+    Nothing of this is module-level state: each layer call has its own LayerReplay."""
 
-    def __init__(self, body, recompute_context=None, on_recompute=None):
-        self.body, self.recompute_context, self.on_recompute = body, recompute_context, on_recompute
+    def __init__(self, body, *, attention=None, store=None, mlp=None, prefetch=None):
+        self.body, self.attention, self.store = body, attention, store
+        self.mlp, self.prefetch = mlp, prefetch
         self.runs = 0
+
+    @property
+    def recomputing(self) -> bool:
+        return self.runs > 1
 
     def __call__(self, *args, **kwargs):
         self.runs += 1
-        if self.runs == 1:
+        if self.recomputing and self.prefetch is not None:
+            self.prefetch()
+        with contextlib.ExitStack() as stack:
+            if self.store is not None:
+                self.store.begin(replaying=self.recomputing)
+                stack.enter_context(_store_bound(self.attention, self.store))
+            if self.recomputing and self.mlp is not None:
+                stack.enter_context(self.mlp.skipping())
             return self.body(*args, **kwargs)
-        if self.on_recompute is not None:
-            self.on_recompute()
-        with self.recompute_context() if self.recompute_context else contextlib.nullcontext():
-            return self.body(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _store_bound(attention: nn.Module | None, store):
+    """While the body runs, its attention core (attention.attn_fn: ours, or Ulysses') is called
+    with store=store. A layer without one keeps nothing and recomputes attention."""
+    core = getattr(attention, "attn_fn", None)
+    if core is None:
+        yield
+        return
+    attention.attn_fn = functools.partial(core, store=store)
+    try:
+        yield
+    finally:
+        attention.attn_fn = core
 
 
 PLACES = {"input": ("host", "device"), "attention": ("host", "device", "recompute")}
@@ -233,30 +266,32 @@ class _OffloadedForward:
         self.body = self.own or types.MethodType(type(layer).forward, layer)
         self.pool, self.preserve_rng_state = pool, preserve_rng_state
         self.placement, self.tiled_mlp = placement, tiled_mlp
-        self.new_store = self.recompute_context = None
+        self.layer = layer
+        self.new_store = None
         if placement.attention != "recompute":  # our attention kernel's store (model/attention.py)
             from model.attention import AttentionStore
 
             self.new_store = AttentionStore
-        if tiled_mlp:
-            from model.tiled_mlp import output_unused
-
-            self.recompute_context = output_unused
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.body(*args, **kwargs)  # nothing is saved without grad, a cache works
         kwargs = without_cache(kwargs)
-        pool, place, body = self.pool, self.placement, self.body
+        pool, place = self.pool, self.placement
+        store = None
         if self.new_store is not None:
             store = self.new_store()
             if place.attention == "host":
                 store.keep, store.fetch = functools.partial(_keep_on_host, pool), pool.unpack
-            body = functools.partial(store.run, body)
         # nothing of this layer's in the pool: its recompute starts the nearest earlier one's
         prefetch = pool.prefetcher() if pool is not None and not place.on_host else None
-        if self.recompute_context is not None or prefetch is not None:
-            body = _Runs(body, self.recompute_context, prefetch)
+        mlp = None
+        if self.tiled_mlp:
+            from model.tiled_mlp import mlp_tiling
+
+            mlp = mlp_tiling(self.layer.mlp)
+        attention = getattr(self.layer, "self_attn", None)
+        body = LayerReplay(self.body, attention=attention, store=store, mlp=mlp, prefetch=prefetch)
         if prefetch is not None or pool is None:
             return _checkpoint(body, args, kwargs, self.preserve_rng_state)
         with pool.layer(saved=place.input == "host") as moved:

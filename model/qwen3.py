@@ -20,6 +20,8 @@ Two things are left replaceable from outside, so that parallelism never edits th
     (default: causal_attention, grouped kv heads on one pinned kernel); sequence parallelism
     swaps in an all-to-all. A row of several documents (forward's doc_lens, the lengths of the
     whole row's documents) calls attn_fn(q, k, v, doc_lens=...): causal within each document.
+    A core that takes store= (causal_attention, model/ulysses.py's) can keep its output for a
+    checkpoint's recompute: model/checkpoint_offload.py binds an AttentionStore to it per call.
   * each module's forward, as usual for wrappers such as checkpointing and FSDP2.
 """
 
@@ -171,16 +173,21 @@ class RMSNorm(nn.Module):
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens: tuple[int, ...] | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc_lens: tuple[int, ...] | None = None,
+    store=None,
 ) -> torch.Tensor:
     """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd]; with
     doc_lens (ints summing to T) causal within each document.
 
     Query heads g*r .. g*r+g-1 share kv head r (g = nh / nkv), without materialising repeated k
     and v. model/attention.py runs it on one pinned kernel that also returns the log-sum-exp, so
-    a checkpointed layer can keep attention from its forward instead of recomputing it.
+    a checkpointed layer can keep attention from its forward instead of recomputing it: `store`,
+    an AttentionStore the checkpoint wrapper passes (model/checkpoint_offload.py), keeps it.
     """
-    return attention(q, k, v, doc_lens=doc_lens)
+    return attention(q, k, v, doc_lens=doc_lens, store=store)
 
 
 class Attention(nn.Module):

@@ -19,13 +19,14 @@ Function inputs, so autograd delivers their grads to whatever parameters the MLP
 unsharded ones included); autocast, if on, is replayed in backward as it was in forward.
 
 In a checkpoint's recompute only what the MLP saves is needed (its input; the weights are
-parameters), and the layer's recomputed output is thrown away: inside `output_unused()` the
-forward saves its input and skips the tile loop, returning zeros (model/checkpoint_offload.py
-enters it around every recompute of a layer whose MLP it tiled). That holds for a layer that
-saves nothing computed from the MLP's output, as a pre-norm decoder layer does (its residual add
-saves nothing).
+parameters), and the layer's recomputed output is thrown away: called with output_unused=True
+the forward saves its input and skips the tile loop, returning zeros. An MLP set_mlp_tiling
+tiled carries that switch on its own installed forward (mlp_tiling(mlp)), which
+model/checkpoint_offload.py turns on around every recompute of a layer whose MLP it tiled. That
+holds for a layer that saves nothing computed from the MLP's output, as a pre-norm decoder layer
+does (its residual add saves nothing).
 
-    with output_unused():                              # a recompute: no tiles run
+    with mlp_tiling(layer.mlp).skipping():             # a recompute: no tiles run
         y = layer.mlp(x)                               # zeros; x saved for the backward
 
 set_mlp_tiling works on any module holding the three projections as bias-free nn.Linear
@@ -44,21 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["is_silu", "output_unused", "set_mlp_tiling", "tiled_mlp"]
-
-_OUTPUT_UNUSED = False  # inside output_unused(): the tile loop is skipped
-
-
-@contextlib.contextmanager
-def output_unused():
-    """Tiled MLPs called inside save their input and return zeros without running their tiles:
-    for a checkpoint's recompute, which needs only what backward saved (module docstring)."""
-    global _OUTPUT_UNUSED
-    before, _OUTPUT_UNUSED = _OUTPUT_UNUSED, True
-    try:
-        yield
-    finally:
-        _OUTPUT_UNUSED = before
+__all__ = ["TiledForward", "is_silu", "mlp_tiling", "set_mlp_tiling", "tiled_mlp"]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -67,12 +54,12 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, tile):
+    def forward(ctx, x, w_gate, w_up, w_down, tile, output_unused):
         dev = x.device.type  # backward replays the tiles under the same autocast state
         ctx.tile = tile
         ctx.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
         ctx.save_for_backward(x, w_gate, w_up, w_down)
-        if _OUTPUT_UNUSED:  # a recompute: the output is thrown away, only x had to be saved
+        if output_unused:  # a recompute: the output is thrown away, only x had to be saved
             dtype = ctx.autocast[1] if ctx.autocast[2] else x.dtype  # what the tiles would give
             return x.new_zeros(*x.shape[:-1], w_down.shape[0], dtype=dtype)
         x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
@@ -122,30 +109,55 @@ class _TiledMLP(torch.autograd.Function):
             None if a is None else a.to(w.dtype)
             for a, w in zip(acc, (w_gate, w_up, w_down), strict=True)
         ]
-        return (None if dx is None else dx.view_as(x)), *grads_w, None
+        return (None if dx is None else dx.view_as(x)), *grads_w, None, None
 
 
 def tiled_mlp(
-    x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, tile: int
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    tile: int,
+    *,
+    output_unused: bool = False,
 ) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) over tiles of `tile` tokens; x [..., hidden] -> [..., hidden].
 
     w_gate, w_up [intermediate, hidden] and w_down [hidden, intermediate], as nn.Linear holds them.
+    output_unused: a recompute's call (module docstring): x is saved, the tiles do not run, and
+    the zeros returned are not to be used.
     """
-    return _TiledMLP.apply(x, w_gate, w_up, w_down, int(tile))
+    return _TiledMLP.apply(x, w_gate, w_up, w_down, int(tile), bool(output_unused))
 
 
-class _TiledMLPForward:
-    """Installed as `mlp.forward`: the MLP's SwiGLU through tiled_mlp."""
+class TiledForward:
+    """Installed as `mlp.forward` by set_mlp_tiling: the MLP's SwiGLU through tiled_mlp, with its
+    output_unused switch (skipping() turns it on for a recompute)."""
 
     def __init__(self, mlp: nn.Module, tile: int, names: tuple[str, str, str]):
         self.own = mlp.__dict__.get("forward")  # an instance forward we replace, to restore later
         self.mlp, self.tile, self.names = mlp, tile, names
+        self.output_unused = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # weights read at call time: FSDP2's unsharded ones inside forward and backward
         gate, up, down = (getattr(self.mlp, name).weight for name in self.names)
-        return tiled_mlp(x, gate, up, down, self.tile)
+        return tiled_mlp(x, gate, up, down, self.tile, output_unused=self.output_unused)
+
+    @contextlib.contextmanager
+    def skipping(self):
+        """Calls inside save their input and return zeros without running their tiles."""
+        before, self.output_unused = self.output_unused, True
+        try:
+            yield
+        finally:
+            self.output_unused = before
+
+
+def mlp_tiling(mlp: nn.Module) -> TiledForward | None:
+    """The TiledForward set_mlp_tiling installed on `mlp`, or None when it runs untiled."""
+    current = mlp.__dict__.get("forward")
+    return current if isinstance(current, TiledForward) else None
 
 
 def set_mlp_tiling(
@@ -162,8 +174,8 @@ def set_mlp_tiling(
     gate, up, down: the names of its bias-free nn.Linear projections; act: the name of its
     activation, if it holds one (checked to be SiLU; a module without it is taken as SiLU).
     """
-    current = mlp.__dict__.get("forward")
-    if isinstance(current, _TiledMLPForward):
+    current = mlp_tiling(mlp)
+    if current is not None:
         if current.own is None:
             del mlp.forward  # back to the class's forward
         else:
@@ -185,7 +197,7 @@ def set_mlp_tiling(
             f"set_mlp_tiling runs SiLU-gated MLPs only; {type(mlp).__name__}.{act} is "
             f"{activation!r}, which is not SiLU: leave this MLP untiled"
         )
-    mlp.forward = _TiledMLPForward(mlp, int(tile), (gate, up, down))
+    mlp.forward = TiledForward(mlp, int(tile), (gate, up, down))
 
 
 def is_silu(activation) -> bool:

@@ -30,9 +30,9 @@ class UlyssesAttention:
         self.sp = dist.get_world_size(group)
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens=None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_lens=None, store=None
     ) -> torch.Tensor:
         # after the first all-to-all each rank holds every token of its heads: the documents'
-        # segments of the whole row are all there
-        core = functools.partial(causal_attention, doc_lens=doc_lens)
+        # segments of the whole row are all there; store: attention once's (checkpoint_offload)
+        core = functools.partial(causal_attention, doc_lens=doc_lens, store=store)
         return ulysses(q, k, v, self.group, core)

@@ -161,7 +161,7 @@ def test_pinned_backend_and_misuse():
         assert c.fwd == c.bwd == 0  # math is plain tensor ops: no aten attention op ran
         set_backend("sdpa")
         with pytest.raises(RuntimeError, match="log-sum-exp"):
-            AttentionStore().run(attention, *qkv)
+            attention(*qkv, store=AttentionStore())
     finally:
         set_backend(None)
     for a, b in zip(got, ref, strict=True):
@@ -175,9 +175,9 @@ def test_pinned_backend_and_misuse():
     with pytest.raises(ValueError, match="unknown"):
         set_backend("fast")
     store = AttentionStore()
-    store.runs = 1  # a recompute that calls attention more often than the forward did
+    store.begin(replaying=True)  # a recompute that calls attention more often than the forward
     with pytest.raises(RuntimeError, match="attention call 1 but the forward made 0"):
-        store.run(attention, *qkv)
+        attention(*qkv, store=store)
 
 
 # ---- choosing the backend

@@ -170,3 +170,31 @@ def test_run_has_no_import_circle():
 
     circles = sorted(m for m in graph if reaches(m, m, {m}))
     assert not circles, f"run/ modules that import themselves through others: {circles}"
+
+
+REPLAY_FILES = ("model/attention.py", "model/tiled_mlp.py", "model/checkpoint_offload.py")
+
+
+def rebound_globals(path: str) -> set[str]:
+    """Module-level names a function of `path` rebinds (its `global` statements)."""
+    return {n for node in ast.walk(parse(path)) if isinstance(node, ast.Global) for n in node.names}
+
+
+def test_a_replay_is_coordinated_by_objects_not_module_globals():
+    """What a checkpoint's recompute does differently (the attention store's hand-back, the tiled
+    MLP's skipped tiles, the prefetch) travels in model/checkpoint_offload.py's LayerReplay and the
+    objects it hands on, never through a module-level variable: of the three files only
+    attention.py rebinds one, the kernel set_backend pins for the process, which no other file
+    reads."""
+    rebound = {path: rebound_globals(path) for path in REPLAY_FILES}
+    assert rebound == {
+        "model/attention.py": {"_PINNED"},
+        "model/tiled_mlp.py": set(),
+        "model/checkpoint_offload.py": set(),
+    }, rebound
+    for path in REPLAY_FILES:
+        with open(os.path.join(ROOT, path)) as f:
+            text = f.read()
+        for other, names in rebound.items():
+            if other != path:
+                assert not any(re.search(rf"\b{n}\b", text) for n in names), (path, names)

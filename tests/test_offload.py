@@ -273,7 +273,7 @@ class CountSilu(TorchDispatchMode):
 def test_recompute_skips_the_tile_loop(offload, monkeypatch):
     """In checkpoint's recompute a tiled MLP only saves its input: its tiles run in forward and
     in its backward's replay, not in the recompute, and the gradients are bit-equal to a recompute
-    that runs them (output_unused replaced by a no-op)."""
+    that runs them (TiledForward.skipping replaced by a no-op)."""
     import contextlib
 
     import model.tiled_mlp as tiled
@@ -283,7 +283,9 @@ def test_recompute_skips_the_tile_loop(offload, monkeypatch):
     ref, ids, got = _model(), _ids(4), {}
     for skip in (True, False):
         if not skip:
-            monkeypatch.setattr(tiled, "output_unused", contextlib.nullcontext)
+            monkeypatch.setattr(
+                tiled.TiledForward, "skipping", lambda self: contextlib.nullcontext()
+            )
         m = copy.deepcopy(ref)
         apply_offload(m, offload=offload, min_bytes=0, tile_mlp=tile)
         with CountSilu() as c:
