@@ -29,7 +29,9 @@ one group, the copies back of the rest of that group and of the whole next group
 so a layer's three tensors come back while the layer after it (in forward order) recomputes, and
 none waits for the one before it. A layer that moves nothing has no group: the next group is
 then the nearest layer before it that moved something, and prefetcher() lets the recompute of a
-layer with nothing in the pool start that group's copies back. The groups hold weak references:
+layer with nothing in the pool start that group's copies back (model/checkpoint_offload.py's
+LayerReplay calls it first thing in such a layer's recompute: the whole order of a recompute is
+written there). The groups hold weak references:
 a tensor whose graph died (after its backward, or a graph dropped without one) gives its blocks
 back and falls out.
 
