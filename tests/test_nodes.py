@@ -8,7 +8,8 @@ gloo processes each, and `--sp 4` spans both (every all-to-all crosses the "netw
     them repeated (4 query, 2 kv: sp > kv heads) while attention is kept (--save-attention);
   * a checkpoint the 2 x 2 run wrote after step 1 resumes on one node of 4 and on 2 x 2 again,
     with the losses of an uninterrupted run;
-  * layouts that cannot work are refused in one line, exit 2, before any process group.
+  * layouts that cannot work are refused in one line, exit 2, before any process group;
+  * the dry run of 2 nodes of 8 at --sp 16 plans and projects, its all-to-alls over InfiniBand.
 """
 
 import json
@@ -21,7 +22,10 @@ import pytest
 from dist_utils import free_port, run_train
 from hf_ref import hf_model, ref_loss_and_norm, save_hf
 
-from model.config import Qwen3Config
+from bench.bench_attention import exchange_volumes
+from memory.plan import GB, plan
+from memory.steptime import INTERNODE_GBPS, NVLINK_GBPS, project
+from model.config import PRESETS, Qwen3Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(
@@ -211,3 +215,23 @@ def test_layouts_that_cannot_work_are_refused_in_one_line(
         return
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert lines[0].startswith(f"error: {why}")
+
+
+def test_dry_run_plans_and_projects_sp16_over_two_nodes_of_8():
+    """WORLD_SIZE=16 LOCAL_WORLD_SIZE=8 --sp 16: the plan and the projected step, with sp over
+    both nodes; its all-to-alls are bench_attention's bytes, 8/15 of them (the 8 peers on the
+    other node) over InfiniBand at its assumed rate, the other 7/15 beside them on NVLink."""
+    env = dict(WORLD_SIZE="16", LOCAL_WORLD_SIZE="8")
+    p = run_train(1, "--preset", "qwen3-8b-1m", "--sp", "16", "--dry-run", env=env)
+    assert '"sp": 16' in p.stdout and '"dp": 1' in p.stdout
+    assert "step, projected" in p.stdout and "InfiniBand 50" in p.stdout
+
+    c = PRESETS["qwen3-8b"]
+    t = project(plan(c, 2**20, gpus=16, sp=16, gpus_per_node=8, save_attention=True))
+    a2a = sum(ph.terms.get("all-to-all", 0.0) for ph in t.phases)
+    sent = exchange_volumes(c, 2**20, 16)["sent_per_step"]
+    print(f"all-to-alls over 2 nodes: {a2a:.3f} s per step ({sent / GB:.1f} GB sent per GPU)")
+    assert a2a == pytest.approx(sent * 8 / 15 / (INTERNODE_GBPS * GB), rel=1e-9)
+    one_node = project(plan(c, 2**20, gpus=16, sp=16, gpus_per_node=16, save_attention=True))
+    inside = sum(ph.terms.get("all-to-all", 0.0) for ph in one_node.phases)
+    assert inside == pytest.approx(sent / (NVLINK_GBPS * GB), rel=1e-9)
