@@ -235,3 +235,15 @@ def test_dry_run_plans_and_projects_sp16_over_two_nodes_of_8():
     one_node = project(plan(c, 2**20, gpus=16, sp=16, gpus_per_node=16, save_attention=True))
     inside = sum(ph.terms.get("all-to-all", 0.0) for ph in one_node.phases)
     assert inside == pytest.approx(sent / (NVLINK_GBPS * GB), rel=1e-9)
+
+
+def test_torchrun_sh_refuses_sp3_on_two_nodes_of_2_before_launching(tmp_path):
+    """torchrun.sh's --check-only for node 0 of 2 nodes of 2: one line, exit 2, no torchrun."""
+    env = {**os.environ, "NNODES": "2", "NODE_RANK": "0", "NPROC_PER_NODE": "2"}
+    argv = ["bash", "torchrun.sh", "--sp", "3", "--steps", "1", "--out", str(tmp_path / "out")]
+    p = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    print(p.returncode, lines)
+    assert p.returncode == 2
+    assert lines[-1] == "error: --sp 3 does not divide the 4 processes; use a divisor of 4"
+    assert "torch.distributed" not in p.stderr + p.stdout and not p.stdout
