@@ -9,7 +9,8 @@ gloo processes each, and `--sp 4` spans both (every all-to-all crosses the "netw
   * a checkpoint the 2 x 2 run wrote after step 1 resumes on one node of 4 and on 2 x 2 again,
     with the losses of an uninterrupted run;
   * layouts that cannot work are refused in one line, exit 2, before any process group;
-  * the dry run of 2 nodes of 8 at --sp 16 plans and projects, its all-to-alls over InfiniBand.
+  * the dry run of 2 nodes of 8 at --sp 16 plans and projects, its all-to-alls over InfiniBand;
+    the sweep's rows with sp over every node, the public 32-GPU run beside its projection.
 """
 
 import json
@@ -25,6 +26,7 @@ from hf_ref import hf_model, ref_loss_and_norm, save_hf
 from bench.bench_attention import exchange_volumes
 from memory.plan import GB, plan
 from memory.steptime import INTERNODE_GBPS, NVLINK_GBPS, project
+from memory.sweep import format_sweep, sweep
 from model.config import PRESETS, Qwen3Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -247,3 +249,24 @@ def test_torchrun_sh_refuses_sp3_on_two_nodes_of_2_before_launching(tmp_path):
     assert p.returncode == 2
     assert lines[-1] == "error: --sp 3 does not divide the 4 processes; use a divisor of 4"
     assert "torch.distributed" not in p.stderr + p.stdout and not p.stdout
+
+
+def test_sweep_rows_with_sp_over_every_node_beside_the_public_32_gpu_run():
+    """The sweep's 16- and 32-GPU rows with sp over all nodes (dp 1) next to the dp rows; the
+    32-GPU row at 4,194,304 tokens, attention recomputed, is the layout of the public run that
+    measured 1346 s, and its projection is the one printed beside that measurement."""
+    c = PRESETS["qwen3-8b"]
+    p = plan(c, 2**20, gpus=8, sp=8, host_mem_gb=2000, tiled_mlp=True, mlp_tile=16384)
+    rows = sweep(p)
+    assert {(r.gpus, r.sp) for r in rows} == {(8, 8), (16, 8), (16, 16), (32, 8), (32, 32)}
+    row = next(
+        r for r in rows if (r.seq_len, r.gpus, r.sp, r.save_attention) == (2**22, 32, 32, False)
+    )
+    q = plan(c, 2**22, gpus=32, sp=32, gpus_per_node=8, options=row.plan.options)
+    assert row.time.step_s == project(q).step_s and row.plan.fits
+    text = format_sweep(p, rows)
+    line = next(ln for ln in text.splitlines() if ln.split()[:3] == ["4,194,304", "32", "1"])
+    print(line)
+    assert line.split()[7] == f"{row.time.step_s:.0f}"
+    public = f"4,194,304 tokens, 32 GPUs: measured 1346 s, projected {row.time.step_s:.0f} s"
+    assert public in text
