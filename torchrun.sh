@@ -2,7 +2,12 @@
 # The front door.   bash torchrun.sh [train.py flags]
 #   With GPUs: the qwen3-8b-1m recipe on every GPU of this node (override anything, e.g. --model DIR).
 #   Without:   the CPU demo on 2 processes.
-#   Several nodes: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT as torchrun knows them.
+#   Several nodes: NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT as torchrun knows them, e.g. one
+#   row over two nodes of 8 (sp across both), the same line on each with its own NODE_RANK:
+#     NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 bash torchrun.sh --sp 16
+#   SLURM, one task per node (node 0 is the first host of the allocation):
+#     srun --nodes 2 --ntasks-per-node 1 bash -c 'NNODES=$SLURM_NNODES NODE_RANK=$SLURM_NODEID \
+#       MASTER_ADDR=$(scontrol show hostnames $SLURM_NODELIST | head -1) bash torchrun.sh --sp 16'
 #   Stopping for later: SIGTERM or SIGUSR1 to this script; the step finishes, a checkpoint is
 #   written, exit 0; the same command with --resume auto continues.
 set -euo pipefail

@@ -14,6 +14,8 @@ is memory/layouts.py's choice (--layout auto) within what its flags pin, or a --
 
 from __future__ import annotations
 
+import os
+
 from memory.layouts import Candidate, LayoutChoice, Pins, choose_layout, read_layout
 from memory.plan import Options, Plan, plan
 from memory.steptime import project
@@ -25,13 +27,16 @@ def _run_options(
 ) -> tuple[int, dict]:
     """(padded row, plan() keywords) of a train.py run. On CPU the device budget is what the
     meter counts, so no allocator slack is kept, and the host's runtime share (a CUDA process's)
-    is left out."""
+    is left out. Host memory is planned per node of LOCAL_WORLD_SIZE processes."""
     b = dtype if isinstance(dtype, int) else dtype.itemsize
     cpu = device == "cpu"
+    # a node: torchrun's LOCAL_WORLD_SIZE processes (a dry run's, else 8), for host memory per node
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or min(world, 8)
     return -(-cfg.seq_len // sp) * sp, dict(
         gpus=world,
         sp=sp,
         dp=dp,
+        gpus_per_node=min(node, world),
         offload_min_bytes=cfg.offload_min_bytes,
         tiled_mlp=cfg.tile_mlp > 0,
         mlp_tile=cfg.tile_mlp,

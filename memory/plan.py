@@ -432,9 +432,9 @@ def check_layout(
     if dp * sp != gpus:
         raise ValueError(f"dp x sp must equal the number of GPUs: {dp} x {sp} != {gpus}")
     node = gpus_per_node or min(gpus, 8)
-    if sp > node:
+    if sp > node and sp % node:
         raise ValueError(
-            f"sp ({sp}) must fit in one node of {node} GPUs: the all-to-all stays inside a node"
+            f"sp ({sp}) spans nodes, so it must be a multiple of the {node} GPUs of a node"
         )
     if seq_len < sp or seq_len % sp:
         raise ValueError(

@@ -356,6 +356,28 @@ def exchange_bytes(config: Qwen3Config, seq_len: int, sp: int, compute_bytes: in
     return buffers * (sp - 1) // sp
 
 
+def exchange_seconds(
+    config: Qwen3Config,
+    seq_len: int,
+    sp: int,
+    per_node: int,
+    rates: Rates,
+    compute_bytes: int = 2,
+    layers: int = 1,
+) -> float:
+    """Seconds of one pass of `layers` layers' exchanges on one rank. Inside a node all of it is on
+    NVLink; an sp group over whole nodes sends (sp - per_node) / (sp - 1) of it to the other
+    nodes' ranks, over the network at rates.internode_gbps (an assumption, INTERNODE_GBPS, unless
+    a calibration says otherwise), while the rest goes over NVLink at the same time: the slower
+    of the two. Qwen3-8B at sp 16 (2 nodes of 8): 8/15 crosses, ~5x the NVLink time."""
+    sent = layers * exchange_bytes(config, seq_len, sp, compute_bytes)
+    if sp <= per_node:
+        return sent / (rates.nvlink_gbps * GB)
+    crossing = sent * (sp - per_node) / (sp - 1)
+    inside = sent - crossing
+    return max(crossing / (rates.internode_gbps * GB), inside / (rates.nvlink_gbps * GB))
+
+
 def _phase(
     name: str,
     flops: float,
@@ -409,7 +431,7 @@ def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) 
     pcie = r.pcie_gbps * GB
     pool = p.host.offload_bytes_per_step / 2 / L / pcie  # out in forward, back in backward
     shard = elements * o.master_bytes / W / pcie if o.cpu_offload else 0.0
-    a2a = L * exchange_bytes(c, p.seq_len, sp, o.compute_bytes) / (r.nvlink_gbps * GB)
+    a2a = exchange_seconds(c, p.seq_len, sp, lay.gpus_per_node, r, o.compute_bytes, L)
     forward = _phase(
         "forward",
         (k.dense_fwd + k.attention_fwd) / sp,
@@ -516,10 +538,9 @@ def startup(p: Plan, rates: Rates | None = None) -> Startup:
 # ---- the public runs ------------------------------------------------------------------------
 def public_configuration(config: Qwen3Config, seq_len: int, gpus: int, **options) -> Plan:
     """The public runs' step in this planner's terms: one row over all `gpus`, whole-layer
-    recompute (attention included). The planner keeps sp inside a node, so the node is declared
-    as all of them: only the exchanges' and FSDP2's link speeds see that (NVLink for InfiniBand),
-    under 1% of these steps."""
-    return plan(config, seq_len, gpus=gpus, sp=gpus, gpus_per_node=gpus, **options)
+    recompute (attention included), on their nodes of 8: the 16- and 32-GPU runs' exchanges and
+    FSDP2's collectives cross InfiniBand (under 1% of those steps at INTERNODE_GBPS)."""
+    return plan(config, seq_len, gpus=gpus, sp=gpus, gpus_per_node=min(gpus, 8), **options)
 
 
 def public_projections(rates: Rates | None = None) -> list[tuple[PublicRun, StepTime]]:

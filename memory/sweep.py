@@ -6,10 +6,12 @@ step time, peak GPU memory, host memory per node and whether it fits.
     python train.py --preset qwen3-8b-1m --dry-run --sweep
     python -m memory.report --model qwen3-8b --sweep
 
-Lengths 131,072 to 8,388,608 tokens (doubling) on 8, 16 and 32 GPUs in nodes of 8: sp = 8 inside a
-node (the exchanges stay on NVLink), dp = GPUs / 8 groups, each with its own row, so a step is dp
-rows. Every other option is the dry run's. Times are memory.steptime's projection, never a
-measurement; below 1,048,576 tokens the public runs took longer than its rate says (the footer).
+Lengths 131,072 to 8,388,608 tokens (doubling) on 8, 16 and 32 GPUs in nodes of 8, two layouts:
+sp = 8 inside a node (the exchanges stay on NVLink), dp = GPUs / 8 groups, each with its own row,
+so a step is dp rows; and beyond one node sp = GPUs over every node, dp = 1: one row as long as
+all of them hold, its exchanges partly over InfiniBand. Every other option is the dry run's. Times
+are memory.steptime's projection, never a measurement; below 1,048,576 tokens the public runs took
+longer than its rate says (the footer).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class SweepRow:
     seq_len: int
     gpus: int
     save_attention: bool
+    sp: int
     plan: Plan | None  # None when the layout cannot run (error says why)
     time: StepTime | None
     error: str = ""
@@ -43,22 +46,31 @@ def sweep(
     lengths: tuple[int, ...] = LENGTHS,
     gpu_counts: tuple[int, ...] = GPU_COUNTS,
 ) -> list[SweepRow]:
-    """p's model and options at every length and GPU count, attention kept and recomputed."""
+    """p's model and options at every length, GPU count and layout (layouts()), attention kept
+    and recomputed."""
     rows = []
     for seq_len in lengths:
         for gpus in gpu_counts:
-            for kept in (True, False):
-                options = replace(
-                    p.options, save_attention=kept, placements=None, layout_why="sweep"
-                )
-                sp = min(gpus, GPUS_PER_NODE)
-                try:
-                    q = plan(p.config, seq_len, gpus=gpus, sp=sp, gpus_per_node=sp, options=options)
-                except ValueError as e:
-                    rows.append(SweepRow(seq_len, gpus, kept, None, None, str(e)))
-                    continue
-                rows.append(SweepRow(seq_len, gpus, kept, q, project(q, rates)))
+            for sp in layouts(gpus):
+                for kept in (True, False):
+                    rows.append(_row(p, rates, seq_len, gpus, sp, kept))
     return rows
+
+
+def layouts(gpus: int) -> tuple[int, ...]:
+    """The sp of each layout swept on `gpus`: one node's, and all of them when there are more."""
+    node = min(gpus, GPUS_PER_NODE)
+    return (node,) if gpus == node else (node, gpus)
+
+
+def _row(p: Plan, rates: Rates | None, seq_len: int, gpus: int, sp: int, kept: bool) -> SweepRow:
+    options = replace(p.options, save_attention=kept, placements=None, layout_why="sweep")
+    node = min(gpus, GPUS_PER_NODE)
+    try:
+        q = plan(p.config, seq_len, gpus=gpus, sp=sp, gpus_per_node=node, options=options)
+    except ValueError as e:
+        return SweepRow(seq_len, gpus, kept, sp, None, None, str(e))
+    return SweepRow(seq_len, gpus, kept, sp, q, project(q, rates))
 
 
 def _cells(row: SweepRow) -> str:
@@ -110,15 +122,15 @@ def format_sweep(p: Plan, rows: list[SweepRow]) -> str:
     half = f"{'step s':>8}{'peak GB':>9}{'host GB':>10}  {'fits':<9}"
     out = [
         f"sweep: {name}, nodes of {GPUS_PER_NODE} GPUs (sp = {GPUS_PER_NODE}, dp = GPUs / "
-        f"{GPUS_PER_NODE}, one row per dp group), this run's other options; step times projected "
-        f"({source}), peak per GPU, host per node",
+        f"{GPUS_PER_NODE}, one row per dp group; dp 1: sp over every node), this run's other "
+        f"options; step times projected ({source}), peak per GPU, host per node",
         f"  {'':24}{'attention kept (attention once)':<38}attention recomputed",
         f"  {'tokens/row':>11}{'GPUs':>6}{'dp':>4}   {half}{half}".rstrip(),
     ]
-    by_key = {(r.seq_len, r.gpus, r.save_attention): r for r in rows}
-    for seq_len, gpus in dict.fromkeys((r.seq_len, r.gpus) for r in rows):
-        kept, recomputed = by_key[seq_len, gpus, True], by_key[seq_len, gpus, False]
-        dp = gpus // min(gpus, GPUS_PER_NODE)
+    by_key = {(r.seq_len, r.gpus, r.sp, r.save_attention): r for r in rows}
+    for seq_len, gpus, sp in dict.fromkeys((r.seq_len, r.gpus, r.sp) for r in rows):
+        kept, recomputed = by_key[seq_len, gpus, sp, True], by_key[seq_len, gpus, sp, False]
+        dp = gpus // sp
         out.append(
             f"  {seq_len:>11,}{gpus:>6}{dp:>4}   {_cells(kept)}{_cells(recomputed)}".rstrip()
         )

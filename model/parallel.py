@@ -4,8 +4,9 @@
     model, stats = build_sharded_model(config, mesh, device="cuda", model_dir="/models/Qwen3-8B")
 
 The mesh has two dimensions: "dp" (different rows of data) and "sp" (one row's tokens split by
-sequence parallelism, inside one node). Parameters are sharded over both at once: FSDP2 gets the
-flattened "dp_sp" mesh, so every rank holds 1/world of every parameter.
+sequence parallelism over consecutive ranks: part of one node, or whole nodes). Parameters are
+sharded over both at once: FSDP2 gets the flattened "dp_sp" mesh, so every rank holds 1/world of
+every parameter.
 
 Units of sharding (each one all-gathered when used, and its gradient reduce-scattered):
   * each decoder layer; all but the last reshard after forward (they are needed again only in
@@ -69,9 +70,12 @@ def local_world_size(device_type: str) -> int:
 
 
 def build_mesh(world_size: int, sp: int = 1, device_type: str = "cuda") -> DeviceMesh:
-    """A ("dp", "sp") mesh of shape (world_size // sp, sp); sp ranks are consecutive, so they
-    share a node. Collective: every rank calls it, with the same arguments (on GPU, after
-    torch.cuda.set_device(local_rank)). The sp group for attention is mesh["sp"].get_group()."""
+    """A ("dp", "sp") mesh of shape (world_size // sp, sp); sp ranks are consecutive (node-major),
+    so an sp group is part of one node or spans whole nodes (sp a multiple of the processes per
+    node: its all-to-alls then cross the network, and a node's ranks are still in one group; a
+    group starting mid-node would not be). Collective: every rank calls it, with the same
+    arguments (on GPU, after torch.cuda.set_device(local_rank)). The sp group for attention is
+    mesh["sp"].get_group()."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "build_mesh needs torch.distributed initialised: launch with torchrun "
@@ -88,17 +92,29 @@ def build_mesh(world_size: int, sp: int = 1, device_type: str = "cuda") -> Devic
             f"sp={sp} must divide the world size {world_size}: choose sp in {divisors}"
         )
     per_node = local_world_size(device_type)
-    if sp > per_node or per_node % sp:
-        raise ValueError(
-            f"sp={sp} does not fit in one node of {per_node} processes: sequence parallelism runs "
-            f"two all-to-alls per layer and must stay on the intra-node links; "
-            f"use an sp that divides {per_node} and let dp span the nodes"
-        )
+    if problem := node_problem(sp, per_node):
+        raise ValueError(problem)
     mesh = init_device_mesh(device_type, (world_size // sp, sp), mesh_dim_names=MESH_DIMS)
     flat = shard_mesh(mesh)  # create the flattened group now, on every rank together
     for group in (mesh["dp"].get_group(), mesh["sp"].get_group(), flat.get_group()):
         set_group_timeout(group)
     return mesh
+
+
+def node_problem(sp: int, per_node: int) -> str | None:
+    """Why sp groups of consecutive ranks do not line up with nodes of `per_node` processes, or
+    None: inside a node sp must divide its processes, beyond one node be a multiple of them."""
+    if sp <= per_node and per_node % sp:
+        return (
+            f"sp={sp} does not divide the {per_node} processes of a node: an sp group of "
+            f"consecutive ranks would start in one node and end in the next"
+        )
+    if sp > per_node and sp % per_node:
+        return (
+            f"sp={sp} spans nodes but is not a multiple of the {per_node} processes of a node: "
+            f"an sp group must be part of one node or whole nodes"
+        )
+    return None
 
 
 def set_group_timeout(group: dist.ProcessGroup) -> None:

@@ -333,6 +333,7 @@ def download_model(repo_id: str) -> str:
 
 def check_layout(cfg, mc: Qwen3Config, world: int, local_world: int) -> tuple[int, int]:
     """(sp, dp) for this launch, or a ConfigError that says what to change."""
+    from model.parallel import node_problem
     from model.ulysses_exchange import check_heads
 
     sp = cfg.sp or local_world
@@ -340,11 +341,8 @@ def check_layout(cfg, mc: Qwen3Config, world: int, local_world: int) -> tuple[in
         raise ConfigError(
             f"--sp {sp} does not divide the {world} processes; use a divisor of {world}"
         )
-    if sp > local_world:
-        raise ConfigError(
-            f"--sp {sp} is larger than the {local_world} processes of one node; sequence "
-            f"parallelism stays inside a node"
-        )
+    if problem := node_problem(sp, local_world):
+        raise ConfigError(f"--sp {sp}: {problem}")
     try:
         check_heads(mc.num_attention_heads, mc.num_key_value_heads, sp)
     except ValueError as e:

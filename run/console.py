@@ -25,6 +25,16 @@ from run.build import log0
 from run.checkpoint import error_line
 
 
+def nodes(world: int, sp: int) -> str:
+    """' on 2 nodes of 2 (sp across 2 nodes)' for a launch of several nodes (torchrun's
+    LOCAL_WORLD_SIZE processes each), '' for one node."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if per_node >= world:
+        return ""
+    spans = f" (sp across {sp // per_node} nodes)" if sp > per_node else ""
+    return f" on {world // per_node} nodes of {per_node}{spans}"
+
+
 def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
     """OUT/config.json (every field, so `--config OUT/config.json` reruns it) and the intro."""
     if dist.get_rank() == 0:
@@ -33,8 +43,8 @@ def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
     log0(
         f"config: {cfg.out}/config.json | model {cfg.model} ({mc.num_hidden_layers} layers, "
         f"hidden {mc.hidden_size}) | data {cfg.data} | {cfg.seq_len:,} tokens/row | {world} "
-        f"{device.type} processes: sp {sp} x dp {dp} | {str(dtype)[6:]} | {cfg.steps} steps, "
-        f"lr {cfg.lr:g} {cfg.decay}"
+        f"{device.type} processes{nodes(world, sp)}: sp {sp} x dp {dp} | {str(dtype)[6:]} | "
+        f"{cfg.steps} steps, lr {cfg.lr:g} {cfg.decay}"
     )
     if cfg.data == "synthetic:repeat":  # the demo's data: say what it shows
         counted = "the repeated half only" if cfg.loss_on == "predictable" else "every label"

@@ -6,7 +6,8 @@
 
 Neither starts a process group, downloads anything or reads a weight: the model's shapes come
 from a preset, a directory's config.json or a hub id whose shapes are known (run/checks.py), and
-the world is torchrun's, else this machine's GPUs, else the recipe's node of 8.
+the world is torchrun's, else this machine's GPUs, else the recipe's node of 8; a node holds
+LOCAL_WORLD_SIZE of them, else 8.
 
 dry_run prints the config as JSON and memory/report.py's table of memory/plan.py's plan (with
 --calibration, the step projected from bench/gpu_check.py's measured rates; with --sweep, the
@@ -53,7 +54,8 @@ def offline_layout(cfg, what: str):
             f"--model {cfg.model}: its shapes are unknown without a download; {what} pass "
             f"a directory with its config.json or a preset ({', '.join(sorted(MODEL_PRESETS))})"
         )
-    sp, dp = check_layout(cfg, mc, world, min(world, 8))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or min(world, 8)
+    sp, dp = check_layout(cfg, mc, world, local_world)
     return mc, world, sp, dp
 
 

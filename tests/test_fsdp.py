@@ -115,7 +115,7 @@ def _mesh_errors(world):
     from model.parallel import build_mesh
 
     errors = []
-    for sp, local in ((3, "4"), (4, "2"), (2, "3")):
+    for sp, local in ((3, "4"), (4, "3"), (2, "3")):
         os.environ["LOCAL_WORLD_SIZE"], saved = local, os.environ["LOCAL_WORLD_SIZE"]
         try:
             build_mesh(world, sp, "cpu")
@@ -268,8 +268,8 @@ def test_sharded_load_logits_export_and_step(world, cases, tmp_path):
         errors = results[0]["mesh_errors"]
         assert len(errors) == 4, errors
         assert "sp=3 must divide the world size 4" in errors[0]
-        assert "sp=4 does not fit in one node of 2 processes" in errors[1]
-        assert "sp=2 does not fit in one node of 3 processes" in errors[2]
+        assert "sp=4 spans nodes but is not a multiple of the 3 processes" in errors[1]
+        assert "sp=2 does not divide the 3 processes of a node" in errors[2]
         assert "build_mesh(world_size=5) but the process group has 4 ranks" in errors[3]
     if world == 2:
         stats, std, norm_values = results[0]["init"]

@@ -300,7 +300,7 @@ def test_max_seq_len_qwen3_8b():
             r"seq_len \(1004\) must be a positive multiple of sp \(8\)",
         ),
         (dict(gpus=8, sp=4, dp=3), r"dp x sp must equal"),
-        (dict(gpus=16, sp=16), r"must fit in one node"),
+        (dict(gpus=24, sp=12), r"sp \(12\) spans nodes, so it must be a multiple of the 8"),
         (dict(gpus=8, sp=8, mfu=1.5), r"mfu"),
         (dict(gpus=8, sp=8, loss_chunk=0), r"loss_chunk must be positive"),
         (dict(gpus=6, sp=6, seq_len=6 * 2**17), r"32 heads cannot be split over sp=6"),

@@ -40,6 +40,8 @@ SHAPES = {
     "8b at 2M": ("qwen3-8b", 8, ["--seq-len", "2097152"]),
     "8b sp4": ("qwen3-8b", 4, []),
     "8b dp2 x sp4": ("qwen3-8b", 8, ["--sp", "4"]),
+    # sp over 2 nodes of 8 (a node is 8 without LOCAL_WORLD_SIZE): 65,536 tokens per rank
+    "8b sp16 on 2 nodes": ("qwen3-8b", 16, ["--sp", "16"]),
     "8b cpu offload": ("qwen3-8b", 8, ["--cpu-offload"]),
     # tied: the root unit holds the gathered embedding and the loss's gradient of it (V x H each,
     # 0.31 GB in bf16) through every layer's backward
