@@ -243,6 +243,11 @@ class TrainConfig:
     check_only: bool = arg(
         False, "run every check (flags, model, data, --out) in this process and exit"
     )
+    check_nodes: bool = arg(
+        False,
+        "with torchrun on every node: the checks, then one all-reduce over the real process "
+        "group (the nodes see each other), then exit, before any weight is read",
+    )
 
 
 PRESETS = {  # name: (its line in -h, its fields)
@@ -326,6 +331,29 @@ def init_distributed(cpu_offload: bool | None = False) -> tuple[int, int, int, t
         device = torch.device("cpu")
         dist.init_process_group("gloo", timeout=timeout, **group_of_one)
     return rank, world, local_world, device
+
+
+def check_nodes(world: int, local_world: int, device: torch.device) -> None:
+    """--check-nodes: one all-reduce over every process, so nodes that cannot reach each other
+    (a wrong MASTER_ADDR, a firewall, another NCCL interface) fail in seconds, not after minutes
+    of loading weights; rank 0 says how long it took. --out was checked, not taken."""
+    try:
+        t0 = time.perf_counter()
+        count = torch.ones(1, device=device)
+        dist.all_reduce(count)
+        if int(count.item()) != world:
+            raise RuntimeError(
+                f"--check-nodes: the all-reduce counted {int(count.item())} of {world}"
+            )
+        if dist.get_rank() == 0:
+            seconds = time.perf_counter() - t0
+            print(
+                f"check-nodes: {world} processes on {world // local_world} node(s) reached each "
+                f"other (one all-reduce, {seconds:.2f} s)",
+                flush=True,
+            )
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,10 +526,12 @@ def main(argv=None) -> None:
     check_available(parse_report_to(cfg.report_to))  # a ReportError is a refusal too (exit 2)
     lock = None
     if int(os.environ.get("RANK", 0)) == 0:
-        lock = open_run_dir(cfg, probe=cfg.check_only)
+        lock = open_run_dir(cfg, probe=cfg.check_only or cfg.check_nodes)
     if cfg.check_only:
         return
     rank, world, local_world, device = init_distributed(cfg.cpu_offload)
+    if cfg.check_nodes:
+        return check_nodes(world, local_world, device)
     try:
         # Checked again with the process group: a hub id is downloaded now (once per node).
         mc, model_dir, sp, dp = check_run(cfg, world, local_world, download=True)

@@ -270,3 +270,15 @@ def test_sweep_rows_with_sp_over_every_node_beside_the_public_32_gpu_run():
     assert line.split()[7] == f"{row.time.step_s:.0f}"
     public = f"4,194,304 tokens, 32 GPUs: measured 1346 s, projected {row.time.step_s:.0f} s"
     assert public in text
+
+
+def test_check_nodes_joins_the_process_group_and_leaves(setup, tmp_path):
+    """--check-nodes on 2 processes: the checks, one all-reduce over the group, rank 0's line,
+    exit 0; nothing is loaded and --out is not taken (a run can start there next)."""
+    d, _ = setup
+    out = tmp_path / "out"
+    argv = flags(d, "kv-repeat", out, sp=2)
+    p = run_train(2, *argv, "--check-nodes")
+    lines = [x for x in p.stdout.splitlines() if x.startswith("check-nodes:")]
+    assert len(lines) == 1 and "2 processes on 1 node(s) reached each other" in lines[0], p.stdout
+    assert "model ready" not in p.stdout and not (out / "metrics.jsonl").exists()
