@@ -183,6 +183,7 @@ def load_held_out(
         vocab_size=mc.vocab_size,
         eos_token=cfg.eos_token or None,
         pack=getattr(cfg, "pack", "concat"),
+        key_digits=retrieval.key_digits(cfg),
         progress=True,
     )
     eos = document_eos(getattr(cfg, "documents", "stream"), getattr(cfg, "eos_id", -1), rows)
