@@ -153,7 +153,7 @@ def score_cases(model, cases, mesh, *, loss_chunk: int) -> torch.Tensor:
             scores[j, 0] -= losses.sum().double()
             scores[j, 1] += rows.numel()
             scores[j, 2] += (best == labels[rows]).sum().double()
-        del hidden, losses
+        del hidden, losses, labels  # the labels too: the next case's forward holds its own
         reshard(model)
     dist.all_reduce(scores)
     return scores.cpu()

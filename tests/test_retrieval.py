@@ -272,3 +272,30 @@ def test_training_on_synthetic_passkey_takes_accuracy_from_chance_to_high(tmp_pa
     assert first["accuracy"] <= 0.2
     assert last["accuracy"] >= 0.9
     assert "eval passkey at step 200 | accuracy" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc, more",
+    [(2, ["--eval-only"]), (4, ["--eval-only"]), (2, ["--steps", "1", "--no-save-final"])],
+    ids=["sp2", "dp2xsp2", "sp2-run"],
+)
+def test_retrieval_peak_is_held_to_the_meter(tmp_path, nproc, more):
+    """--measure-memory, sp 2 on 2 processes and dp 2 x sp 2 on 4, rows of 2048 tokens: the
+    retrieval evaluation's measured peak (memory/meter.py) is its planned peak within 5%: with
+    --eval-only and at a run's step 0 without AdamW's states (eval_total_without_adamw), after a
+    run's step with them (eval_total)."""
+    out = tmp_path / "run"
+    run_train(
+        nproc, "--model", "tiny", "--seq-len", "2048", "--sp", "2", "--data", "synthetic:copy",
+        "--dtype", "float32", "--tile-mlp", "256", "--measure-memory", "--eval-task", "passkey",
+        "--eval-lengths", "2048", "--eval-depths", "0.5", "--eval-cases", "2", "--out", str(out),
+        *more,
+    )  # fmt: skip
+    recs = eval_records(out)
+    assert [r["step"] for r in recs] == ([0] if "--eval-only" in more else [0, 1])
+    for rec in recs:
+        measured, planned = rec["eval_peak_mem_gb"], rec["eval_planned_peak_gb"]
+        print(f"{nproc} processes {more}, step {rec['step']}: measured {measured * 1e3:.4f} MB, "
+              f"planned {planned * 1e3:.4f} MB")  # fmt: skip
+        assert measured == pytest.approx(planned, rel=0.05)
