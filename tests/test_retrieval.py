@@ -257,7 +257,7 @@ def test_training_on_synthetic_passkey_takes_accuracy_from_chance_to_high(tmp_pa
     least 0.9 after 200 steps of 8 rows (lr 3e-3, cosine)."""
     out = tmp_path / "run"
     p = run_train(
-        2, "--model", "demo", "--data", "synthetic:passkey", "--passkey-digits", "1",
+        2, "--model", "tiny", "--data", "synthetic:passkey", "--passkey-digits", "1",
         "--seq-len", "128", "--sp", "2", "--steps", "200", "--grad-accum", "8", "--lr", "3e-3",
         "--loss-on", "predictable", "--dtype", "float32", "--eval-task", "passkey",
         "--eval-lengths", "128", "--eval-depths", "0,0.25,0.5", "--eval-cases", "10",
@@ -265,7 +265,7 @@ def test_training_on_synthetic_passkey_takes_accuracy_from_chance_to_high(tmp_pa
     )  # fmt: skip
     first, last = eval_records(out)
     assert (first["step"], last["step"]) == (0, 200) and first["cases"] == 30
-    digits = set(char_vocab(64)("0123456789").tolist())
+    digits = set(char_vocab(512)("0123456789").tolist())
     for line in cases(out):
         key_at = [i for i, x in enumerate(line["prompt"]) if x in digits]
         assert key_at and max(key_at) < 64 <= len(line["prompt"]) - 20, line["index"]
