@@ -59,6 +59,7 @@ from run.flags import parse_flags
 from run.guard import NonFiniteGuard, RunStopped
 from run.offline import dry_run, rehearse
 from run.report import ReportError, check_available, parse_report_to
+from run.retrieval import key_digits
 from run.steplog import StepLog, cuda_reserved_gb, peak_tflops
 
 IGNORE = -100  # the label the loss skips (padding, and --loss-on predictable's other labels)
@@ -80,7 +81,7 @@ class TrainConfig:
     )
     data: str = arg(
         "synthetic:copy",
-        "pg19 | .txt/.jsonl/.parquet file or dir | tokens:FILE.npy | synthetic:copy|repeat",
+        "pg19 | .txt/.jsonl/.parquet file or dir | tokens:FILE.npy | synthetic:copy|repeat|passkey",
     )
     seq_len: int = arg(
         1024, "tokens per row (each row holds seq_len + 1 ids: inputs and shifted labels)"
@@ -155,6 +156,9 @@ class TrainConfig:
     )
     eval_depths: str = arg("0,0.25,0.5,0.75,1", "retrieval needle depths in [0, 1]")
     eval_cases: int = arg(2, "retrieval cases per length x depth")
+    passkey_digits: str = arg(
+        "5-7", "a pass key's digits, N or N-M: the passkey evaluation's and synthetic:passkey's"
+    )
     out: str = arg(
         "runs/latest", "the run directory: config.json, metrics.jsonl, checkpoints/, final/"
     )
@@ -568,6 +572,7 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         vocab_size=mc.vocab_size,
         eos_token=cfg.eos_token or None,
         pack=cfg.pack,
+        key_digits=key_digits(cfg),
         progress=True,
     )
     if "padding_share" in getattr(rows, "meta", {}):  # --pack best-fit

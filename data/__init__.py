@@ -13,6 +13,7 @@ encode.py    the tokenizer: fingerprint, parallel batch encoding, packing books 
 cache.py     the on-disk uint32 cache: JSON description, atomic rename, file lock
 synthetic.py the long-range copy task (no tokenizer needed)
 retrieval.py passkey and key-value retrieval cases (a needle at a depth, a question, its answer)
+passkey_rows.py synthetic:passkey, training rows that are passkey cases (the answer predictable)
 loader.py    shard_row (shift, then shard, global positions) and the resumable RowLoader
 documents.py a row's documents (--documents masked): lengths, positions from 0, labels inside
 packing.py   --pack best-fit: whole documents into rows, only longer ones cut

@@ -3,14 +3,15 @@
     vocab = char_vocab(vocab_size=211)       # or tokenizer_vocab(tokenizer): a run's own
     cases = RetrievalCases("passkey", vocab, lengths=[128, 256], depths=[0, 0.5, 1.0],
                            per_cell=2, seed=0, filler=None)   # filler: held-out rows, or None
+                           # key_digits=(5, 7): the pass key's length, fewest to most digits
     c = cases[4]              # made on demand from (seed, 4): the same case on every rank
     c.ids                     # int64 [c.length + 1]: the prompt, then the answer
     c.ids[c.answer_start :]   # the answer; c.length, c.depth, c.task: where it sits in the grid
 
 Tasks. "passkey" (Mohtashami & Jaggi 2023): "The pass key is NNNNN. Remember it. " (a random key
-of 5 to 7 digits) hidden in the haystack, then a new line, "What is the pass key? The pass key
-is" and the answer " NNNNN". "kv" (RULER's key-value needle, NVIDIA 2024): KV_PAIRS pairs
-"The value of key K is V. " with UUID-like K and V (8-4 hex digits) at random depths, the one
+of 5 to 7 digits, or key_digits) hidden in the haystack, then a new line, "What is the pass key?
+The pass key is" and the answer " NNNNN". "kv" (RULER's key-value needle, NVIDIA 2024): KV_PAIRS
+pairs "The value of key K is V. " with UUID-like K and V (8-4 hex digits) at random depths, the one
 asked for at the case's depth, then a new line, "What is the value of key K? The value is" and
 the answer " V".
 
@@ -32,15 +33,19 @@ task, index]): nothing is stored, any rank makes any case in the time of one con
 
 from __future__ import annotations
 
+import os
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from data.encode import TOKENIZER_FILES, load_tokenizer
+
 TASKS = ("passkey", "kv")
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 FIRST_LENGTH = 4096  # default lengths: powers of two from min(this, row / 4) up to the row
+KEY_DIGITS = (5, 7)  # a pass key's digits: fewest, most
 KV_PAIRS = 3  # key-value pairs hidden in a "kv" case: the one asked for and 2 distractors
 FILLER = (
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -67,6 +72,17 @@ def tokenizer_vocab(tokenizer) -> Vocab:
         return np.array(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
 
     return encode
+
+
+def model_vocab(vocab_size: int, model_dir: str | None) -> Vocab:
+    """A model's vocabulary for cases: its tokenizer when its directory has one, else one id
+    per character (char_vocab(vocab_size))."""
+    has_tokenizer = model_dir is not None and any(
+        os.path.isfile(os.path.join(model_dir, n)) for n in TOKENIZER_FILES
+    )
+    if has_tokenizer:
+        return tokenizer_vocab(load_tokenizer(model_dir))
+    return char_vocab(vocab_size)
 
 
 @dataclass(frozen=True)
@@ -104,16 +120,17 @@ def _uuid_like(rng: np.random.Generator) -> str:
     return f"{_hex(rng, 8)}-{_hex(rng, 4)}"
 
 
-def _passkey(rng: np.random.Generator, depth: float):
+def _passkey(rng: np.random.Generator, depth: float, key_digits=KEY_DIGITS):
     """([(depth, needle text)], question, answer) of one passkey case."""
-    digits = int(rng.integers(5, 8))
+    digits = int(rng.integers(key_digits[0], key_digits[1] + 1))
     key = str(int(rng.integers(10 ** (digits - 1), 10**digits)))
     needle = f"The pass key is {key}. Remember it. "
     return [(depth, needle)], "\nWhat is the pass key? The pass key is", " " + key
 
 
-def _kv(rng: np.random.Generator, depth: float):
-    """([(depth, needle text)], question, answer) of one key-value case."""
+def _kv(rng: np.random.Generator, depth: float, key_digits=KEY_DIGITS):
+    """([(depth, needle text)], question, answer) of one key-value case (key_digits unused:
+    its keys and values are UUID-like)."""
     keys: list[str] = []
     while len(keys) < KV_PAIRS:  # distinct keys (a repeat is a 16^12 chance, but then unclear)
         k = _uuid_like(rng)
@@ -129,12 +146,12 @@ def _kv(rng: np.random.Generator, depth: float):
 MAKERS = {"passkey": _passkey, "kv": _kv}
 
 
-def shortest_length(task: str, vocab: Vocab) -> int:
+def shortest_length(task: str, vocab: Vocab, key_digits=KEY_DIGITS) -> int:
     """The fewest inputs a case of `task` can have: the longest needles, question and answer of
     a few draws, and 8 ids to spare (a longer key, a longer encoding)."""
     need = 0
     for k in range(8):
-        needles, question, answer = MAKERS[task](np.random.default_rng(k), 0.0)
+        needles, question, answer = MAKERS[task](np.random.default_rng(k), 0.0, key_digits)
         parts = [text for _, text in needles] + [question, answer]
         need = max(need, sum(len(vocab(t)) for t in parts))
     return need + 8
@@ -143,9 +160,14 @@ def shortest_length(task: str, vocab: Vocab) -> int:
 class RetrievalCases:
     """lengths x depths x per_cell cases of `task`, in that order; see the module docstring."""
 
-    def __init__(self, task, vocab: Vocab, lengths, depths, *, per_cell, seed, filler=None):
+    def __init__(
+        self, task, vocab: Vocab, lengths, depths, *, per_cell, seed, filler=None,
+        key_digits=KEY_DIGITS,
+    ):  # fmt: skip
         if task not in MAKERS:
             raise ValueError(f"unknown retrieval task {task!r}; the ones there are: {TASKS}")
+        if not 1 <= key_digits[0] <= key_digits[1]:
+            raise ValueError(f"key_digits {key_digits}: need 1 <= fewest <= most")
         bad = [d for d in depths if not 0.0 <= d <= 1.0]
         if bad or per_cell < 1 or not lengths or not depths:
             raise ValueError(
@@ -155,8 +177,9 @@ class RetrievalCases:
         self.task, self.vocab, self.seed, self.filler = task, vocab, seed, filler
         self.lengths, self.depths = [int(n) for n in lengths], [float(d) for d in depths]
         self.per_cell = int(per_cell)
+        self.key_digits = (int(key_digits[0]), int(key_digits[1]))
         self.synthetic = None if filler is not None else vocab(FILLER)
-        shortest = shortest_length(task, vocab)
+        shortest = shortest_length(task, vocab, self.key_digits)
         if too_short := [n for n in self.lengths if n < shortest]:
             raise ValueError(
                 f"{task} cases need at least {shortest} tokens with this vocabulary "
@@ -176,7 +199,7 @@ class RetrievalCases:
             raise IndexError(f"case {i} out of range for {len(self)} cases")
         length, depth = self.cell(i)
         rng = np.random.default_rng([self.seed, TASKS.index(self.task), i])
-        needles, question, answer = MAKERS[self.task](rng, depth)
+        needles, question, answer = MAKERS[self.task](rng, depth, self.key_digits)
         needle_ids = [(d, self.vocab(text)) for d, text in needles]
         tail = [self.vocab(question), self.vocab(answer)]
         hay_len = length + 1 - sum(len(t) for _, t in needle_ids) - sum(len(t) for t in tail)

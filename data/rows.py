@@ -19,6 +19,9 @@ Sources (see data/sources.py for text):
                         labels that can be predicted
     "synthetic:repeat"  the same with the second half repeating the first in order: learnable in
                         minutes on a CPU (the demo's data)
+    "synthetic:passkey" passkey retrieval cases (data/passkey_rows.py) in the model's vocabulary
+                        (its tokenizer's, else one id per character), keys of key_digits digits;
+                        rows.predictable(i) marks the answer's labels
 
 Every rank may call build_rows at once: one builds under a file lock, the others wait and map it.
 """
@@ -34,6 +37,8 @@ import numpy as np
 from data import encode, sources
 from data.cache import CacheEntry
 from data.packing import fill_best_fit
+from data.passkey_rows import PasskeyRows
+from data.retrieval import KEY_DIGITS, model_vocab
 from data.synthetic import CopyRows
 
 log = logging.getLogger(__name__)
@@ -96,20 +101,24 @@ def build_rows(
     shuffle_buffer: int = 100,
     progress: bool = True,
     verify: bool = False,
-) -> Rows | CopyRows:
+    key_digits: tuple[int, int] = KEY_DIGITS,
+) -> Rows | CopyRows | PasskeyRows:
     """num_rows rows of seq_len + 1 tokens from `source`; see the module docstring.
 
     tokenizer: a model directory (or hub id) or a transformers fast tokenizer. eos_token overrides
     the separator between books (Qwen3-8B's tokenizer says "<|im_end|>"; the base model's
     "<|endoftext|>"). pack: "concat" (books end to end, cut at every row's end) or "best-fit"
     (whole books, cut only when longer than a row, rows padded with eos: data/packing.py).
-    shuffle_buffer is for hub streaming; verify re-hashes a cache before use.
+    shuffle_buffer is for hub streaming; verify re-hashes a cache before use. key_digits: the
+    pass keys' digits (fewest, most) of synthetic:passkey.
     """
     source = os.fspath(source)
     if int(seq_len) < 1 or int(num_rows) < 1:
         raise ValueError(f"seq_len and num_rows must be positive, got {seq_len} and {num_rows}")
     seq_len, num_rows = int(seq_len), int(num_rows)
 
+    if source == "synthetic:passkey":
+        return _passkey_rows(tokenizer, seq_len, num_rows, vocab_size, seed, key_digits)
     if source.startswith("synthetic:"):
         return _synthetic_rows(source, tokenizer, seq_len, num_rows, vocab_size, seed)
     if source.startswith("tokens:"):
@@ -134,7 +143,7 @@ def _synthetic_rows(source, tokenizer, seq_len, num_rows, vocab_size, seed) -> C
     if source not in ("synthetic:copy", "synthetic:repeat"):
         raise ValueError(
             f"unknown synthetic source {source!r}; the ones there are: 'synthetic:copy', "
-            f"'synthetic:repeat'"
+            f"'synthetic:repeat', 'synthetic:passkey'"
         )
     if vocab_size is None:
         if tokenizer is None:
@@ -142,6 +151,16 @@ def _synthetic_rows(source, tokenizer, seq_len, num_rows, vocab_size, seed) -> C
         vocab_size = encode.load_tokenizer(tokenizer).vocab_size  # without added special tokens
     mode = "spans" if source == "synthetic:copy" else "repeat"
     return CopyRows(seq_len, num_rows, int(vocab_size), seed=seed, mode=mode)
+
+
+def _passkey_rows(tokenizer, seq_len, num_rows, vocab_size, seed, key_digits) -> PasskeyRows:
+    if vocab_size is None:
+        raise ValueError("synthetic:passkey needs vocab_size= (the model's)")
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        raise ValueError("synthetic:passkey takes the model's directory as tokenizer, or None")
+    directory = None if tokenizer is None else os.fspath(tokenizer)
+    vocab = model_vocab(int(vocab_size), directory)
+    return PasskeyRows(seq_len, num_rows, vocab, seed=seed, key_digits=key_digits)
 
 
 def cache_name(source: str, seq_len: int, seed: int) -> str:

@@ -28,11 +28,12 @@ layer's forward (the same gathered units, no gradients). The first step has no A
 its optimizer step creates them (Plan.first_step_total). An evaluation (a forward alone, under
 no_grad: nothing saved, no gradients, no checkpointing) is planned apart, as eval_moments on top
 of the fp32 state (the parameter shards and AdamW's states, which exist during a run's
-evaluations): a layer's forward (the layer gathered, and another one: the next one prefetched,
-or on CPU the all-gather's output still held), the final norm with [norm + lm_head] being
-gathered, and the chunked loss without its gradient buffers; Plan.eval_total, at most
-Plan.total. It is the retrieval evaluation's too (run/retrieval.py): a case is at most a row, and
-its answer's logits ([answer tokens, V], a few rows) come after the loss's chunks are freed.
+evaluations after its first step; Plan.eval_total_without_adamw for --eval-only and step 0): a
+layer's forward (the layer gathered, and another one: the next one prefetched, or on CPU the
+all-gather's output still held), the final norm with [norm + lm_head] being gathered, and the
+chunked loss without its gradient buffers; Plan.eval_total, at most Plan.total. It is the
+retrieval evaluation's too (run/retrieval.py): a case is at most a row, and its answer's logits
+([answer tokens, V], a few rows) come after the loss's chunks are freed.
 device="cuda" adds what a CUDA kernel allocates inside itself (FlashAttention's fp32 dq
 accumulator); fused_norm=False models an RMSNorm left to autograd (transformers'), which also
 saves an fp32 copy of its input and the normalised bf16 tensor.
@@ -340,6 +341,12 @@ class Plan:
         """An evaluation's peak: the fp32 state (nothing saved from a forward) + its largest
         moment."""
         return self.held.param_shards + self.held.adamw_states + self.eval_peak.bytes
+
+    @property
+    def eval_total_without_adamw(self) -> int:
+        """An evaluation's peak where AdamW holds no states: --eval-only (no optimizer) and a
+        run's step 0 (AdamW creates them at its first optimizer.step, as first_step_total says)."""
+        return self.eval_total - self.held.adamw_states
 
     @property
     def recomputed_layers(self) -> int:

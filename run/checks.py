@@ -104,6 +104,7 @@ def _rules(c) -> list[tuple[str, bool, str]]:
         ),
         ("eval_depths", _depths_hold(c.eval_depths), "depths in [0, 1], such as 0,0.5,1"),
         ("eval_cases", c.eval_cases >= 1, "a positive number of cases per cell, such as 2"),
+        ("passkey_digits", _digits_hold(c), "N or N-M digits, 1 <= N <= M, such as 5-7 or 1"),
         (
             "gpu_mem_gb",
             0 < c.gpu_mem_gb < INF,
@@ -127,6 +128,16 @@ def _lengths_hold(text: str, seq_len: int) -> bool:
         return not text or all(1 <= n <= seq_len for n in parse_lengths(text))
     except ValueError:
         return False
+
+
+def _digits_hold(cfg) -> bool:
+    from run.retrieval import key_digits
+
+    try:
+        fewest, most = key_digits(cfg)
+    except ValueError:
+        return False
+    return 1 <= fewest <= most
 
 
 def _depths_hold(text: str) -> bool:
@@ -362,6 +373,7 @@ def check_data(
     text: the source exists (a hub source: the hub answers, or the token cache has its rows) and
     the model's tokenizer loads, fits the vocabulary and has the eos token."""
     from data import build_rows
+    from run.retrieval import key_digits
 
     src = cfg.data
     try:
@@ -378,6 +390,7 @@ def check_data(
                 num_rows,
                 vocab_size=mc.vocab_size,
                 seed=cfg.seed,
+                key_digits=key_digits(cfg),
                 progress=False,
             )
             return

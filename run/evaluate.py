@@ -183,6 +183,7 @@ def load_held_out(
         vocab_size=mc.vocab_size,
         eos_token=cfg.eos_token or None,
         pack=getattr(cfg, "pack", "concat"),
+        key_digits=retrieval.key_digits(cfg),
         progress=True,
     )
     eos = document_eos(getattr(cfg, "documents", "stream"), getattr(cfg, "eos_id", -1), rows)
@@ -391,7 +392,7 @@ class Evaluation:
     ):
         self.cfg, self.mc, self.rows, self.mesh, self.log = cfg, mc, rows, mesh, log
         self.eos_id = eos_id  # None: each row one sequence; else documents (--documents masked)
-        self.planned_gb = plan.eval_total / 1e9
+        self.plan = plan
         self.measure, self.optimizer, self.pool = measure, optimizer, pool
         self.edges = bucket_edges(cfg.seq_len)
         self.loss = rows is not None and "loss" in eval_tasks(cfg)
@@ -420,6 +421,12 @@ class Evaluation:
                 records.append(self.run_retrieval(model, step, task))
         self.done.append(step)
         return records
+
+    def planned_gb(self) -> float:
+        """The evaluation's planned peak now: without AdamW's states while the optimizer has none
+        (--eval-only, and a run's step 0)."""
+        empty = self.optimizer is None or not self.optimizer.state
+        return (self.plan.eval_total_without_adamw if empty else self.plan.eval_total) / 1e9
 
     def measured(self, model, fn) -> tuple:
         """(fn(), seconds, the largest rank's peak GB or None): fn run with the meter on when
@@ -457,7 +464,7 @@ class Evaluation:
             self.edges,
             eval_time_s=seconds,
             eval_peak_mem_gb=peak,
-            eval_planned_peak_gb=self.planned_gb,
+            eval_planned_peak_gb=self.planned_gb(),
         )
         self.log.write(rec, console_line(rec, len(self.rows)), reporter_scalars(rec))
         warning = context_warning(rec, self.mc) if step == 0 else None
@@ -477,7 +484,7 @@ class Evaluation:
             scores,
             eval_time_s=seconds,
             eval_peak_mem_gb=peak,
-            eval_planned_peak_gb=self.planned_gb,
+            eval_planned_peak_gb=self.planned_gb(),
         )
         line = retrieval.console_line(rec, len(cases.lengths), len(cases.depths))
         self.log.write(rec, line, retrieval.reporter_scalars(rec))
@@ -580,7 +587,8 @@ def say_evaluation(evaluation: Evaluation, h: HeldOut | None, mesh, plan) -> Non
     if cfg.eval_every > 0 and not cfg.eval_only:
         when = f"at step 0, every {cfg.eval_every} steps and after the last"
     sp, dp = mesh["sp"].size(), mesh["dp"].size()
-    peak = f"peak {plan.eval_total / 1e9:.3g} GB per GPU planned" + (
+    planned = evaluation.planned_gb() if cfg.eval_only else plan.eval_total / 1e9
+    peak = f"peak {planned:.3g} GB per GPU planned" + (
         "" if cfg.eval_only else f" (a training step: {plan.total / 1e9:.3g} GB)"
     )
     if evaluation.loss:

@@ -40,22 +40,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from data import shard_row
-from data.encode import TOKENIZER_FILES, load_tokenizer
 from data.retrieval import (
     DEPTHS,
     TASKS,
     RetrievalCases,
-    char_vocab,
     default_lengths,
+    model_vocab,
     shortest_length,
-    tokenizer_vocab,
 )
 from loss.chunked_ce import token_losses
 from run.build import compute_device, reshard
@@ -84,28 +81,38 @@ def parse_depths(text: str) -> list[float]:
     return [float(x) for x in text.split(",")] if text.strip() else list(DEPTHS)
 
 
+def key_digits(cfg) -> tuple[int, int]:
+    """--passkey-digits '5-7' -> (5, 7), '1' -> (1, 1); a ValueError for anything else."""
+    text = getattr(cfg, "passkey_digits", "5-7")
+    fewest, _, most = text.partition("-")
+    return int(fewest), int(most or fewest)
+
+
 def retrieval_vocab(mc, model_dir: str | None):
     """The model's tokenizer when its directory has one, else one id per character."""
-    has_tokenizer = model_dir is not None and any(
-        os.path.isfile(os.path.join(model_dir, n)) for n in TOKENIZER_FILES
-    )
-    if has_tokenizer:
-        return tokenizer_vocab(load_tokenizer(model_dir))
-    return char_vocab(mc.vocab_size)
+    return model_vocab(mc.vocab_size, model_dir)
 
 
 def retrieval_cases(cfg, mc, model_dir, task: str, filler=None) -> RetrievalCases:
     """The cases of `task` for this run: --eval-lengths (default: data/retrieval.py's
     default_lengths, from the shortest that holds a case) x --eval-depths x --eval-cases, seeded
-    by --seed; filler: held-out rows for the haystack, None for the synthetic filler."""
+    by --seed, keys of --passkey-digits; filler: held-out rows for the haystack, None for the
+    synthetic filler."""
     vocab = retrieval_vocab(mc, model_dir)
     if cfg.eval_lengths:
         lengths = parse_lengths(cfg.eval_lengths)
     else:
-        lengths = default_lengths(cfg.seq_len, shortest_length(task, vocab))
+        lengths = default_lengths(cfg.seq_len, shortest_length(task, vocab, key_digits(cfg)))
     depths = parse_depths(cfg.eval_depths)
     return RetrievalCases(
-        task, vocab, lengths, depths, per_cell=cfg.eval_cases, seed=cfg.seed, filler=filler
+        task,
+        vocab,
+        lengths,
+        depths,
+        per_cell=cfg.eval_cases,
+        seed=cfg.seed,
+        filler=filler,
+        key_digits=key_digits(cfg),
     )
 
 
@@ -146,7 +153,7 @@ def score_cases(model, cases, mesh, *, loss_chunk: int) -> torch.Tensor:
             scores[j, 0] -= losses.sum().double()
             scores[j, 1] += rows.numel()
             scores[j, 2] += (best == labels[rows]).sum().double()
-        del hidden, losses
+        del hidden, losses, labels  # the labels too: the next case's forward holds its own
         reshard(model)
     dist.all_reduce(scores)
     return scores.cpu()

@@ -6,7 +6,10 @@
   with --eval-only on the synthetic filler and at step 0 of a run on held-out token rows;
 * the records' accuracies are the same at every layout;
 * cases are exactly their length, the needle sits at its depth, the answer is the key;
-* lengths that cannot hold a case are refused; the text grid has the picture's numbers.
+* lengths that cannot hold a case are refused; the text grid has the picture's numbers;
+* a tiny model trained on --data synthetic:passkey at sp 2 (the needle on rank 0, the question on
+  rank 1) goes from 0 to at least 0.9 accuracy, read from the run's records;
+* the retrieval evaluation's measured peak is the plan's within 5% at sp 2 and dp 2 x sp 2.
 """
 
 import json
@@ -243,3 +246,90 @@ def test_dry_run_projects_the_retrieval_time():
     one_m, half = seconds("--eval-lengths", "1M")[1], seconds("--eval-lengths", "512k")[1]
     assert 2 < one_m / half < 4
     assert retrieval_time(parse_args(["--preset", "qwen3-8b-1m"]), mc, 8, 1) == []
+
+
+@pytest.mark.slow
+def test_training_on_synthetic_passkey_takes_accuracy_from_chance_to_high(tmp_path):
+    """--data synthetic:passkey on 2 processes with sp 2: the evaluation's cases of 128 tokens
+    keep the needle in rank 0's half and the question in rank 1's, so each right answer is read
+    across the shards. Accuracy (every answer token the argmax, from the run's own records) goes
+    from about nothing at step 0 (a random init; 1 in 9 is a guess of the 1-digit key) to at
+    least 0.9 after 200 steps of 8 rows (lr 3e-3, cosine)."""
+    out = tmp_path / "run"
+    p = run_train(
+        2, "--model", "tiny", "--data", "synthetic:passkey", "--passkey-digits", "1",
+        "--seq-len", "128", "--sp", "2", "--steps", "200", "--grad-accum", "8", "--lr", "3e-3",
+        "--loss-on", "predictable", "--dtype", "float32", "--eval-task", "passkey",
+        "--eval-lengths", "128", "--eval-depths", "0,0.25,0.5", "--eval-cases", "10",
+        "--no-save-final", "--out", str(out),
+    )  # fmt: skip
+    first, last = eval_records(out)
+    assert (first["step"], last["step"]) == (0, 200) and first["cases"] == 30
+    digits = set(char_vocab(512)("0123456789").tolist())
+    for line in cases(out):
+        key_at = [i for i, x in enumerate(line["prompt"]) if x in digits]
+        assert key_at and max(key_at) < 64 <= len(line["prompt"]) - 20, line["index"]
+        assert line["answer"][-1] == line["prompt"][key_at[0]]  # the key, once, on rank 0
+    by_cell = [round(c[2], 2) for c in last["by_length_depth"]]
+    print(f"passkey accuracy: step 0 {first['accuracy']:.3f}, step 200 {last['accuracy']:.3f}")
+    print(f"by depth at step 200 (0, 0.25, 0.5): {by_cell}")
+    assert first["accuracy"] <= 0.2
+    assert last["accuracy"] >= 0.9
+    assert "eval passkey at step 200 | accuracy" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc, more",
+    [(2, ["--eval-only"]), (4, ["--eval-only"]), (2, ["--steps", "1", "--no-save-final"])],
+    ids=["sp2", "dp2xsp2", "sp2-run"],
+)
+def test_retrieval_peak_is_held_to_the_meter(tmp_path, nproc, more):
+    """--measure-memory, sp 2 on 2 processes and dp 2 x sp 2 on 4, rows of 2048 tokens: the
+    retrieval evaluation's measured peak (memory/meter.py) is its planned peak within 5%: with
+    --eval-only and at a run's step 0 without AdamW's states (eval_total_without_adamw), after a
+    run's step with them (eval_total)."""
+    out = tmp_path / "run"
+    run_train(
+        nproc, "--model", "tiny", "--seq-len", "2048", "--sp", "2", "--data", "synthetic:copy",
+        "--dtype", "float32", "--tile-mlp", "256", "--measure-memory", "--eval-task", "passkey",
+        "--eval-lengths", "2048", "--eval-depths", "0.5", "--eval-cases", "2", "--out", str(out),
+        *more,
+    )  # fmt: skip
+    recs = eval_records(out)
+    assert [r["step"] for r in recs] == ([0] if "--eval-only" in more else [0, 1])
+    for rec in recs:
+        measured, planned = rec["eval_peak_mem_gb"], rec["eval_planned_peak_gb"]
+        print(f"{nproc} processes {more}, step {rec['step']}: measured {measured * 1e3:.4f} MB, "
+              f"planned {planned * 1e3:.4f} MB")  # fmt: skip
+        assert measured == pytest.approx(planned, rel=0.05)
+
+
+def test_synthetic_passkey_rows_are_cases_with_the_answer_predictable():
+    """build_rows("synthetic:passkey"): each row is a passkey case of seq_len inputs (a 1-digit
+    key here), its predictable labels exactly the answer's, the needle's depth sweeping the row
+    from row to row, and no training key sequence the same as the evaluation's (--seed's)."""
+    from data import build_rows
+
+    n = len(CHARS)  # one id per character: ids decode back to text
+    rows = build_rows("synthetic:passkey", None, 128, 66, vocab_size=n, seed=0, key_digits=(1, 1))
+    assert rows.shape == (66, 129) and rows.meta["key_digits"] == [1, 1]
+    text = "".join(CHARS[x] for x in rows[5])
+    mask = rows.predictable(5)
+    answer = "".join(CHARS[x] for x in rows[5][1:][mask])
+    assert len(answer) == 2 and answer[0] == " " and answer[1].isdigit()
+    assert text.endswith(f"\nWhat is the pass key? The pass key is{answer}")
+    assert f"The pass key is{answer}. Remember it. " in text
+    assert mask.sum() == 2 and mask[-2:].all()
+    where = [
+        text.index("The pass key is")
+        for text in ("".join(CHARS[x] for x in rows[i]) for i in range(33))
+    ]
+    needle = len(f"The pass key is{answer}. Remember it. ")
+    last = "".join(CHARS[x] for x in rows[32])
+    assert where == sorted(where) and where[0] == 0  # depth 0 .. 1 over rows 0 .. 32
+    assert where[-1] + needle == last.rindex("\nWhat is")  # depth 1: right before the question
+    train_keys = [rows[i][-1] for i in range(66)]
+    vocab = char_vocab(n)
+    evals = RetrievalCases("passkey", vocab, [128], DEPTHS, per_cell=2, seed=0, key_digits=(1, 1))
+    assert train_keys[:10] != [evals[i].ids[-1] for i in range(10)]
