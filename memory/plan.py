@@ -89,6 +89,7 @@ from model.checkpoint_offload import (
 )
 from model.config import Qwen3Config
 from model.host_pool import host_bytes_for
+from model.parallel import layout_problem
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
 
 GB, GiB = 1e9, 2**30
@@ -421,7 +422,7 @@ def describe_placements(placements) -> str:
     return f"inputs {inputs}; attention {attention}"
 
 
-def check_layout(
+def layout_dp(
     config: Qwen3Config,
     seq_len: int,
     gpus: int,
@@ -429,35 +430,20 @@ def check_layout(
     dp: int | None = None,
     gpus_per_node: int | None = None,
 ) -> int:
-    """Raise ValueError naming the problem if this layout cannot run; return dp."""
-    if gpus < 1 or sp < 1:
-        raise ValueError(f"gpus and sp must be at least 1, got gpus={gpus}, sp={sp}")
-    if gpus % sp:
-        raise ValueError(f"sp ({sp}) must divide the number of GPUs ({gpus})")
+    """dp of this layout, or ValueError naming why it cannot run: model/parallel.py's
+    layout_problem (the rule a launch is refused by), and a row the plan can split (a run pads
+    its row to a multiple of sp first: memory/choices.py)."""
+    node = gpus_per_node or min(gpus, 8)
+    heads = config.num_attention_heads, config.num_key_value_heads
+    if problem := layout_problem(gpus, sp, min(node, gpus), *heads):
+        raise ValueError(problem)
     if dp is None:
         dp = gpus // sp
     if dp * sp != gpus:
         raise ValueError(f"dp x sp must equal the number of GPUs: {dp} x {sp} != {gpus}")
-    node = gpus_per_node or min(gpus, 8)
-    if sp > node and sp % node:
-        raise ValueError(
-            f"sp ({sp}) spans nodes, so it must be a multiple of the {node} GPUs of a node"
-        )
     if seq_len < sp or seq_len % sp:
         raise ValueError(
             f"seq_len ({seq_len}) must be a positive multiple of sp ({sp}); pad the row"
-        )
-    nh, nkv = config.num_attention_heads, config.num_key_value_heads
-    if nh % sp:
-        raise ValueError(
-            f"Ulysses gives each sp rank num_attention_heads / sp query heads: "
-            f"{nh} heads cannot be split over sp={sp}"
-        )
-    if nkv % sp and sp % nkv:
-        # sp <= kv heads: each rank takes whole kv heads; sp > kv heads: each kv head is repeated.
-        raise ValueError(
-            f"{nkv} kv heads cannot be split over sp={sp} (nor repeated evenly): "
-            f"sp must divide num_key_value_heads or be a multiple of it"
         )
     return dp
 
@@ -739,7 +725,7 @@ def plan(
 
     options: an Options, and/or its fields as keywords (overrides), e.g. save_attention=True.
     """
-    dp = check_layout(config, seq_len, gpus, sp, dp, gpus_per_node)
+    dp = layout_dp(config, seq_len, gpus, sp, dp, gpus_per_node)
     o = replace(options, **overrides) if options else Options(**overrides)
     L = config.num_hidden_layers
     untiled = not o.tiled_mlp or not o.mlp_tile  # train.py's --tile-mlp 0 (None to apply_offload)

@@ -48,6 +48,7 @@ from torch.distributed.fsdp import (
 
 from model.config import Qwen3Config
 from model.qwen3 import Qwen3
+from model.ulysses_exchange import check_heads
 from model.weights import LoadStats, load_safetensors
 
 MESH_DIMS = ("dp", "sp")
@@ -86,13 +87,7 @@ def build_mesh(world_size: int, sp: int = 1, device_type: str = "cuda") -> Devic
             f"build_mesh(world_size={world_size}) but the process group has "
             f"{dist.get_world_size()} ranks; pass dist.get_world_size()"
         )
-    divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-    if sp < 1 or world_size % sp:
-        raise ValueError(
-            f"sp={sp} must divide the world size {world_size}: choose sp in {divisors}"
-        )
-    per_node = local_world_size(device_type)
-    if problem := node_problem(sp, per_node):
+    if problem := layout_problem(world_size, sp, local_world_size(device_type)):
         raise ValueError(problem)
     mesh = init_device_mesh(device_type, (world_size // sp, sp), mesh_dim_names=MESH_DIMS)
     flat = shard_mesh(mesh)  # create the flattened group now, on every rank together
@@ -101,9 +96,26 @@ def build_mesh(world_size: int, sp: int = 1, device_type: str = "cuda") -> Devic
     return mesh
 
 
-def node_problem(sp: int, per_node: int) -> str | None:
-    """Why sp groups of consecutive ranks do not line up with nodes of `per_node` processes, or
-    None: inside a node sp must divide its processes, beyond one node be a multiple of them."""
+def layout_problem(
+    world: int,
+    sp: int,
+    per_node: int,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+) -> str | None:
+    """The one layout rule: why dp x sp over `world` processes in nodes of `per_node` cannot run
+    (with a model's heads, when given), or None. run/checks.py refuses a launch by it,
+    memory/plan.py plans by it and build_mesh builds by it.
+
+    sp divides the processes; sp groups of consecutive ranks line up with nodes (inside a node sp
+    divides its processes, beyond one node it is a multiple of them); Ulysses splits the query
+    heads over sp and splits or repeats the kv heads (model/ulysses_exchange.py's check_heads).
+    """
+    if world < 1 or sp < 1:
+        return f"processes and sp must be at least 1, got {world} processes and sp={sp}"
+    if world % sp:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        return f"sp={sp} does not divide the {world} processes: choose sp in {divisors}"
     if sp <= per_node and per_node % sp:
         return (
             f"sp={sp} does not divide the {per_node} processes of a node: an sp group of "
@@ -114,6 +126,11 @@ def node_problem(sp: int, per_node: int) -> str | None:
             f"sp={sp} spans nodes but is not a multiple of the {per_node} processes of a node: "
             f"an sp group must be part of one node or whole nodes"
         )
+    if num_heads is not None:
+        try:
+            check_heads(num_heads, num_kv_heads, sp)
+        except ValueError as e:
+            return str(e)
     return None
 
 

@@ -344,20 +344,14 @@ def download_model(repo_id: str) -> str:
 
 def check_layout(cfg, mc: Qwen3Config, world: int, local_world: int) -> tuple[int, int]:
     """(sp, dp) for this launch, or a ConfigError that says what to change."""
-    from model.parallel import node_problem
-    from model.ulysses_exchange import check_heads
+    from model.parallel import layout_problem
 
     sp = cfg.sp or local_world
-    if world % sp:
-        raise ConfigError(
-            f"--sp {sp} does not divide the {world} processes; use a divisor of {world}"
-        )
-    if problem := node_problem(sp, local_world):
-        raise ConfigError(f"--sp {sp}: {problem}")
-    try:
-        check_heads(mc.num_attention_heads, mc.num_key_value_heads, sp)
-    except ValueError as e:
-        raise ConfigError(f"--sp {sp}: {e}") from None
+    heads = mc.num_attention_heads, mc.num_key_value_heads
+    if problem := layout_problem(world, sp, local_world, *heads):
+        said = f"sp={sp} "  # the rule's own name for it, said here as the flag
+        rest = problem.removeprefix(said)
+        raise ConfigError(f"--sp {sp} {rest}" if rest != problem else f"--sp {sp}: {problem}")
     if cfg.seq_len < sp:
         raise ConfigError(
             f"--seq-len {cfg.seq_len} is shorter than sp={sp}: every rank needs a token"

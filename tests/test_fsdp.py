@@ -267,7 +267,7 @@ def test_sharded_load_logits_export_and_step(world, cases, tmp_path):
     if world == 4:
         errors = results[0]["mesh_errors"]
         assert len(errors) == 4, errors
-        assert "sp=3 must divide the world size 4" in errors[0]
+        assert "sp=3 does not divide the 4 processes" in errors[0]
         assert "sp=4 spans nodes but is not a multiple of the 3 processes" in errors[1]
         assert "sp=2 does not divide the 3 processes of a node" in errors[2]
         assert "build_mesh(world_size=5) but the process group has 4 ranks" in errors[3]

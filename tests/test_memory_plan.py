@@ -294,23 +294,26 @@ def test_max_seq_len_qwen3_8b():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(gpus=8, sp=3), r"sp \(3\) must divide the number of GPUs \(8\)"),
+        (dict(gpus=8, sp=3), r"sp=3 does not divide the 8 processes"),
         (
             dict(gpus=8, sp=8, seq_len=1004),
             r"seq_len \(1004\) must be a positive multiple of sp \(8\)",
         ),
         (dict(gpus=8, sp=4, dp=3), r"dp x sp must equal"),
-        (dict(gpus=24, sp=12), r"sp \(12\) spans nodes, so it must be a multiple of the 8"),
+        (
+            dict(gpus=24, sp=12),
+            r"sp=12 spans nodes but is not a multiple of the 8 processes of a node",
+        ),
         (dict(gpus=8, sp=8, mfu=1.5), r"mfu"),
         (dict(gpus=8, sp=8, loss_chunk=0), r"loss_chunk must be positive"),
-        (dict(gpus=6, sp=6, seq_len=6 * 2**17), r"32 heads cannot be split over sp=6"),
+        (dict(gpus=6, sp=6, seq_len=6 * 2**17), r"32 query heads do not divide by sp=6"),
         (
             dict(
                 gpus=8,
                 sp=8,
                 config=replace(QWEN3_8B, num_attention_heads=20, num_key_value_heads=4),
             ),
-            r"20 heads cannot be split over sp=8",
+            r"20 query heads do not divide by sp=8",
         ),
         (
             dict(
@@ -318,7 +321,7 @@ def test_max_seq_len_qwen3_8b():
                 sp=4,
                 config=replace(QWEN3_8B, num_attention_heads=12, num_key_value_heads=6),
             ),
-            r"6 kv heads cannot be split over sp=4",
+            r"6 kv heads can neither be split over sp=4 nor repeated",
         ),
     ],
 )
@@ -412,7 +415,7 @@ def test_cli_table_json_errors(tmp_path):
     )
 
     r = _cli("--gpus", "8", "--sp", "3")
-    assert r.returncode == 2 and "sp (3) must divide the number of GPUs (8)" in r.stderr
+    assert r.returncode == 2 and "sp=3 does not divide the 8 processes" in r.stderr
     r = _cli("--model", str(tmp_path / "missing"))
     assert r.returncode == 2 and "no Hugging Face config" in r.stderr
 

@@ -193,7 +193,7 @@ def test_kv_repeat_attention_once_and_resume_on_one_and_two_nodes(setup):
     "world, per_node, sp, why",
     [
         (4, 2, 3, "--sp 3 does not divide the 4 processes"),
-        (12, 4, 6, "--sp 6: sp=6 spans nodes but is not a multiple of the 4 processes of a node"),
+        (12, 4, 6, "--sp 6 spans nodes but is not a multiple of the 4 processes of a node"),
         (8, 4, 2, None),  # fits: the refusals below are about the layout, not the launch
         (16, 2, 8, "--sp 8: Ulysses sequence parallelism splits attention heads over sp ranks: "),
         (12, 4, 4, "--sp 4: 3 kv heads can neither be split over sp=4 nor repeated to it"),
@@ -247,7 +247,7 @@ def test_torchrun_sh_refuses_sp3_on_two_nodes_of_2_before_launching(tmp_path):
     lines = p.stderr.strip().splitlines()
     print(p.returncode, lines)
     assert p.returncode == 2
-    assert lines[-1] == "error: --sp 3 does not divide the 4 processes; use a divisor of 4"
+    assert lines[-1] == "error: --sp 3 does not divide the 4 processes: choose sp in [1, 2, 4]"
     assert "torch.distributed" not in p.stderr + p.stdout and not p.stdout
 
 
