@@ -74,7 +74,10 @@ def test_chunked_ce_weight_gradient_accumulates_in_fp32():
     )
     assert len(parts) >= 64 and got.dtype == torch.bfloat16
     assert rel(got, exact) < 1.5 * U, f"{rel(got, exact) / U:.2f}u"
-    assert torch.equal(got, fp32_sum)  # ours is exactly the fp32 sum of the chunks' products
+    # ours is the fp32 sum of the chunks' products: bit-equal in every run here but one (the first
+    # test of a fresh 2-thread CI run, where the CPU's bf16 GEMM can split its work another way);
+    # a bf16 accumulator is ~2.5u away, so a twentieth of u still tells them apart
+    assert rel(got, fp32_sum) < 0.05 * U, f"{rel(got, fp32_sum) / U:.3f}u"
     assert rel(bf16_sum, exact) > 1.5 * U  # the bound is tight enough to catch a bf16 accumulator
 
 

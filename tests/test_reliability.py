@@ -141,7 +141,7 @@ def _cases(d):
         (model + ["--lr", "abc"], ["--lr", "train.py -h"]),
         (model + ["--out", str(d / "a-file")], ["--out", "is a file", "directory"]),
         (model + ["--resume", str(d / "nowhere")], ["--resume", "--resume auto"]),
-        (model + ["--sp", "3"], ["--sp 3", "divisor"]),
+        (model + ["--sp", "3"], ["--sp 3", "does not divide", "choose sp in"]),
         (model + ["--loss-on", "predictable"], ["--loss-on predictable", "--loss-on all"]),
         (
             model[:2] + ["--data", "synthetic:copy", "--seq-len", "1", "--steps", "2"],
