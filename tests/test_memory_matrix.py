@@ -344,6 +344,15 @@ def test_planned_peak_within_5_percent_of_measured(matrix):
     assert all(abs(m / p - 1) <= 0.05 for m, p in res.values()), res
 
 
+def assert_planned_within_1_percent_at_both_steps(name: str) -> None:
+    """Steps 1 (no AdamW states yet) and 2 of a matrix layout within 1% of its plan."""
+    p = _plan(name)
+    planned = (p.first_step_total, p.total)
+    print(f"{name:40} steps 1, 2 measured {_STEPS[name][:2]} planned {list(planned)}")
+    for m, want in zip(_STEPS[name][:2], planned, strict=True):
+        assert abs(m / want - 1) <= 0.01, (name, _STEPS[name][:2], planned)
+
+
 @pytest.mark.slow
 def test_tied_layouts_planned_within_1_percent_at_both_steps(matrix):
     """A tied embedding is gathered in the root unit for the whole step, and the loss's gradient
@@ -355,11 +364,7 @@ def test_tied_layouts_planned_within_1_percent_at_both_steps(matrix):
     c = MATRIX["sp2 tied large vocab"][0]
     assert c.vocab_size * c.hidden_size * 4 >= 0.1 * _STEPS["sp2 tied large vocab"][1]
     for n in tied:
-        p = _plan(n)
-        planned = (p.first_step_total, p.total)
-        print(f"{n:28} steps 1, 2 measured {_STEPS[n][:2]} planned {list(planned)}")
-        for m, want in zip(_STEPS[n][:2], planned, strict=True):
-            assert abs(m / want - 1) <= 0.01, (n, _STEPS[n][:2], planned)
+        assert_planned_within_1_percent_at_both_steps(n)
 
 
 @pytest.mark.slow
@@ -371,11 +376,7 @@ def test_mixed_layouts_planned_within_1_percent_at_both_steps(matrix):
     mixed = [n for n in matrix if "mixed" in n]
     assert len(mixed) == 3
     for n in mixed:
-        p = _plan(n)
-        planned = (p.first_step_total, p.total)
-        print(f"{n:40} steps 1, 2 measured {_STEPS[n][:2]} planned {list(planned)}")
-        for m, want in zip(_STEPS[n][:2], planned, strict=True):
-            assert abs(m / want - 1) <= 0.01, (n, _STEPS[n][:2], planned)
+        assert_planned_within_1_percent_at_both_steps(n)
         assert _POOL[n][0] == _POOL[n][1], (n, _POOL[n])
 
 
