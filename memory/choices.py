@@ -100,10 +100,7 @@ def plan_for_run(
     plan.placements and plan.options.cpu_offload are what the run applies (layout_for_run);
     where no layout fits, the plan of the nearest one, which says it does not fit.
     """
-    choice = layout_for_run(cfg, config, world, sp, dp, dtype, device, rates)
-    if choice.chosen is not None:
-        return choice.chosen.plan
-    return choice.refused[0][0].plan
+    return layout_for_run(cfg, config, world, sp, dp, dtype, device, rates).nearest.plan
 
 
 def max_seq_len(

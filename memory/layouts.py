@@ -131,6 +131,12 @@ class LayoutChoice:
     runner_up: Candidate | None
     refused: tuple[tuple[Candidate, str], ...]
 
+    @property
+    def nearest(self) -> Candidate:
+        """The chosen layout, or where none fits the nearest refused one (whose plan says it
+        does not fit)."""
+        return self.chosen or self.refused[0][0]
+
 
 def why_not(c: Candidate) -> str:
     """What a layout that does not fit lacks, in one phrase."""

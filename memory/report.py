@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         pins = Pins(a.cpu_offload or None, a.save_attention, a.offload)
         choice = choose_layout(config, a.seq_len, pins=pins, **kw)
-        p = choice.chosen.plan if choice.chosen else choice.refused[0][0].plan
+        p = choice.nearest.plan
         rates = read_calibration(a.calibration) if a.calibration else None
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))

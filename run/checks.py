@@ -474,7 +474,7 @@ def check_memory(cfg, mc: Qwen3Config, world: int, sp: int, dp: int, origin: str
         raise ConfigError(str(e)) from None
     if choice.chosen is not None and choice.chosen.plan.fits:
         return
-    nearest = choice.chosen or choice.refused[0][0]
+    nearest = choice.nearest
     limits = f"{cfg.gpu_mem_gb:g} GB per GPU, {cfg.host_mem_gb:.0f} GB host per node ({origin})"
     if cfg.layout != "auto":
         raise ConfigError(f"--layout {cfg.layout} does not fit {limits}: {why_not(nearest)}")

@@ -83,7 +83,7 @@ def dry_run(cfg) -> None:
         choice = layout_for_run(cfg, mc, world, sp, dp, planned_dtype(cfg), "cuda", rates)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    p = choice.chosen.plan if choice.chosen else choice.refused[0][0].plan
+    p = choice.nearest.plan
     print(format_plan(p, rates=rates))
     print("\n" + "\n".join(format_choice(choice)))
     if cfg.layout_out:
@@ -174,7 +174,7 @@ def rehearse(cfg, make_optimizer, train_step) -> None:
         raise ConfigError(str(e)) from None
     os.makedirs(cfg.out, exist_ok=True)
     pinned = os.path.join(cfg.out, "layout.json")
-    write_layout(pinned, choice.chosen.plan if choice.chosen else choice.refused[0][0].plan)
+    write_layout(pinned, choice.nearest.plan)
     cfg = dataclasses.replace(cfg, layout=pinned, cpu_offload=None, save_attention=None)
     log0(
         f"rehearse: {cfg.model} ({mc.num_hidden_layers} layers) at {cfg.seq_len:,} tokens/row, "
