@@ -49,6 +49,7 @@ from memory.snapshot import cuda_memory_history
 from model.attention import BACKENDS
 from model.config import ConfigError
 from model.parallel import GROUP_TIMEOUT, build_mesh
+from model.ulysses_exchange import document_segments
 from run.build import build_model, compute_dtype, log0, write_run_layout
 from run.checkpoint import DiskSpaceError, resume_from, rows_to_read, save_checkpoint
 from run.checks import CHOICES, EVAL_TASKS, check_run, open_run_dir
@@ -455,8 +456,9 @@ def model_flops(per_row: dict, loader: RowLoader, rows: int) -> float:
         return per_row["model"] * rows
     total = 0.0
     for i in range(loader.next_row, loader.next_row + rows):
-        lengths = row_documents(loader.rows[i], loader.eos_id).lengths
-        t = sum(lengths)
+        row = loader.rows[i]
+        t = len(row) - 1
+        lengths = document_segments(row_documents(row, loader.eos_id), t)  # attention's, [T]
         share = sum(n * n for n in lengths) / (t * t)  # of the row's square, the stream's count
         total += per_row["model"] - 3 * per_row["attention_fwd"] * (1 - share)
     return total

@@ -1,4 +1,4 @@
-"""Rows to per-rank training inputs: shift, then shard the sequence; step through rows resumably.
+"""Rows to per-rank training inputs, one row per step, resumably.
 
     loader = RowLoader(rows, dp_rank, dp_size, sp_rank, sp_size)
     for batch in loader:   # {"input_ids", "labels", "position_ids"}: int64 [1, ceil(T / sp_size)]
@@ -6,17 +6,13 @@
         save({"data": loader.state_dict(), ...})    # after the step; load_state_dict() resumes
     loader = RowLoader(rows, ..., eos_id=eos)   # documents: + "doc_lens", the row's (n1, n2, ...)
 
-A row holds T + 1 tokens. inputs = row[:-1] and labels = row[1:] are taken BEFORE sharding, so the
-label of the last token of one shard is the first token of the next (shifting after sharding would
-lose one target per boundary). position_ids are global: shard r starts at r * ceil(T / sp_size),
-never at 0, or RoPE would see every shard as the start of the sequence. When T is not a multiple
-of sp_size the end is padded: inputs with pad_id, labels with ignore_index, positions counting on.
-Under causal attention the padding comes after every real token, so nothing real attends to it.
-
-With eos_id (train.py's --documents masked) the row is documents (data/documents.py): positions
-restart at 0 after every eos, the label at an eos is ignored, and "doc_lens" holds the lengths of
-the whole row's documents (every sp rank the same tuple, summing to sp x ceil(T / sp_size): the
-padding belongs to the last document), which attention runs causal attention within.
+A row holds T + 1 tokens; shard_row (model/ulysses_exchange.py, the copyable Ulysses piece)
+cuts this sp rank's share of it: inputs and labels shifted before the cut, global positions, the
+end padded when T is not a multiple of sp_size. With eos_id (train.py's --documents masked) the
+row is documents (data/documents.py): positions restart at 0 after every eos, the label at an eos
+is ignored, and "doc_lens" holds the segments of the whole row that attention runs causal
+attention within (every sp rank the same tuple, summing to sp x ceil(T / sp_size): the padding
+belongs to the last one).
 
 Data-parallel ranks take different rows: at step s, dp rank d reads row start_row + s * dp_size + d.
 Steps stop when a full set of dp_size rows is no longer there, so every rank stops together.
@@ -30,73 +26,7 @@ import numpy as np
 import torch
 
 from data.documents import row_documents
-
-
-def _as_long(x: Any) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.to(torch.long)
-    return torch.from_numpy(np.array(x, dtype=np.int64))  # a copy: memmaps are read-only
-
-
-def shard_row(
-    row: Any,
-    sp_rank: int,
-    sp_size: int,
-    ignore_index: int = -100,
-    *,
-    pad_id: int = 0,
-    predictable: Any = None,
-    eos_id: int | None = None,
-) -> dict[str, Any]:
-    """sp rank `sp_rank`'s share of one row of T + 1 tokens.
-
-    input_ids, labels and position_ids, each [1, ceil(T/sp)]; `predictable` (bool [T], over the
-    labels) adds a "predictable" mask sharded the same way; eos_id makes the row documents (see
-    the module docstring) and adds "doc_lens", a tuple of ints.
-    """
-    if not 0 <= sp_rank < sp_size:
-        raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")
-    t = len(row) - 1
-    if t < 1:
-        raise ValueError(f"a row needs at least 2 tokens (an input and its label), got {len(row)}")
-    per = -(-t // sp_size)  # ceil(T / sp_size)
-    lo = sp_rank * per
-    hi = max(lo, min(lo + per, t))  # real tokens of this shard: [lo, hi)
-    n = hi - lo
-    # Only this shard's slice of the row is converted, not the whole million tokens.
-    input_ids = torch.full((per,), pad_id, dtype=torch.long)
-    labels = torch.full((per,), ignore_index, dtype=torch.long)
-    input_ids[:n] = _as_long(row[lo:hi])
-    labels[:n] = _as_long(row[lo + 1 : hi + 1])
-    out = {
-        "input_ids": input_ids.view(1, per),
-        "labels": labels.view(1, per),
-        "position_ids": torch.arange(lo, lo + per, dtype=torch.long).view(1, per),
-    }
-    if eos_id is not None:
-        _documents(out, row, eos_id, lo, n, per * sp_size, ignore_index)
-    if predictable is not None:
-        mask = torch.zeros(per, dtype=torch.bool)
-        mask[:n] = torch.from_numpy(np.array(predictable[lo:hi], dtype=bool))
-        out["predictable"] = mask.view(1, per)
-    return out
-
-
-def _documents(out: dict, row: Any, eos_id: int, lo: int, n: int, padded: int, ignore) -> None:
-    """Positions, labels and "doc_lens" of `out` (a shard of `n` real tokens from `lo`) made
-    per document; `padded` is the row's length with the sp padding."""
-    docs = row_documents(row, eos_id)
-    t = len(docs.position_ids)
-    positions = out["position_ids"].view(-1)  # [per]
-    positions[:n] = torch.from_numpy(docs.position_ids[lo : lo + n])
-    # the padding counts on from the last real token's position, as without documents
-    start = int(docs.position_ids[-1]) + 1 + (lo + n - t)  # the first padded token's, lo + n
-    positions[n:] = torch.arange(start, start + positions.shape[0] - n)
-    labels = out["labels"].view(-1)
-    labels[:n][torch.from_numpy(docs.first[lo : lo + n])] = ignore
-    lengths = list(docs.lengths)
-    lengths[-1] += padded - t  # the padding after the last document, in it (nothing sees it)
-    out["doc_lens"] = tuple(lengths)
+from model.ulysses_exchange import shard_row
 
 
 def batch_to(batch: dict, device) -> dict:
@@ -111,8 +41,8 @@ class RowLoader:
     """Iterates this (dp rank, sp rank)'s shards, one row per step; see the module docstring.
 
     rows: anything with len() and rows[i] (Rows, CopyRows, a 2-D array or tensor); if it has
-    predictable(i) returning a mask, batches carry "predictable" too. eos_id: rows of documents
-    (shard_row's), batches carry "doc_lens".
+    predictable(i) returning a mask over its labels, batches carry "predictable" too (bool, cut as
+    the labels are). eos_id: rows of documents (data/documents.py), batches carry "doc_lens".
     """
 
     def __init__(
@@ -155,20 +85,30 @@ class RowLoader:
         if self.next_row + self.dp_size > len(self.rows):
             raise StopIteration
         i = self.next_row + self.dp_rank
-        mask_of = getattr(self.rows, "predictable", None)
+        row = self.rows[i]
+        doc_lens = None if self.eos_id is None else row_documents(row, self.eos_id)
         batch = shard_row(
-            self.rows[i],
+            row,
             self.sp_rank,
             self.sp_size,
-            self.ignore_index,
+            doc_lens=doc_lens,
+            ignore_index=self.ignore_index,
             pad_id=self.pad_id,
-            predictable=mask_of(i) if mask_of else None,
-            eos_id=self.eos_id,
         )
+        mask_of = getattr(self.rows, "predictable", None)
+        mask = mask_of(i) if mask_of else None  # Rows says None: no label is marked
+        if mask is not None:
+            batch["predictable"] = self._shard_labels_mask(mask)
         self.next_row += self.dp_size
         if self.device is not None:
             batch = batch_to(batch, self.device)
         return batch
+
+    def _shard_labels_mask(self, mask: Any) -> torch.Tensor:
+        """A bool per label of the row (over row[1:], [T]) cut as the labels are: mask[i] is
+        input i's label's, so it is cut as the inputs are, the padding False."""
+        as_row = np.append(np.asarray(mask, dtype=np.int64), 0)  # [T + 1]: a row to cut
+        return shard_row(as_row, self.sp_rank, self.sp_size)["input_ids"].bool()
 
     def state_dict(self) -> dict[str, int]:
         """Where the next step starts; the same on every rank, and valid for another dp_size."""

@@ -4,12 +4,12 @@ To use it elsewhere: copy this file and loss/chunked_ce.py; they need torch (and
 register_ulysses). README's "Use a piece in your own code" applies them to Qwen3ForCausalLM.
 
     model.set_attn_implementation(register_ulysses(group))   # a transformers model, sp = group
-    ids, positions, targets = shard_row(input_ids, group)     # this rank's T/sp tokens
-    hidden = model.model(input_ids=ids, position_ids=positions).last_hidden_state
+    batch = shard_row(row, rank, sp)     # row: T + 1 ids -> this rank's ceil(T/sp) inputs, labels
+    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
     out = ulysses(q, k, v, group, core)    # any attention core on [B, T, heads, hd] tensors
     # a row of documents (B = 1): positions restart, attention stays in each, no label across
-    ids, positions, targets = shard_row(input_ids, group, doc_lens=(n1, n2, ...))
-    hidden = model.model(input_ids=ids, position_ids=positions, doc_lens=(n1, n2, ...))
+    batch = shard_row(row, rank, sp, doc_lens=(n1, n2, ...))    # summing to T + 1
+    hidden = model.model(input_ids=..., position_ids=..., doc_lens=batch["doc_lens"])
 
 Outside attention every sp rank holds a contiguous slice of the sequence, T/sp tokens, for all
 heads. Attention needs every token, so around it two all-to-alls trade the split:
@@ -23,15 +23,15 @@ and 4 backward. Rank r takes query heads r*nh/sp .. and kv heads r*nkv/sp ..: co
 keep every GQA group (query heads g*j .. g*j+g-1 share kv head j) on one rank. When sp exceeds
 the kv heads, each kv head is repeated sp/nkv times before the exchange so every rank gets one.
 
-For transformers, each rank passes its slice of input_ids and the GLOBAL position_ids (rank r's
-slice starts at r*T/sp), so RoPE rotates every token by its place in the whole row; no attention
-mask (the function registered is causal over the row, and transformers builds no mask for it).
-A row of several documents passes doc_lens, the lengths of the whole row's documents, to
-shard_row (positions from 0 in each document, no target across a boundary) and to the model's
-forward, which hands its keyword arguments on to the attention function: after the first
-all-to-all every rank holds all T tokens of its heads, so attention within each document is the
-causal kernel run on each document's segment of T. Our own model uses the same exchange through
-model/ulysses.py.
+For transformers, each rank passes its share of the inputs and the GLOBAL position_ids (rank r's
+share starts at r*ceil(T/sp)), so RoPE rotates every token by its place in the whole row; no
+attention mask (the function registered is causal over the row, and transformers builds no mask
+for it). shard_row cuts the row, padding its end when T does not divide by sp. A row of several
+documents passes their lengths to shard_row (positions from 0 in each document, no label across
+a boundary), which hands back the segments for attention as batch["doc_lens"]; the model's
+forward passes that keyword on to the attention function: after the first all-to-all every rank
+holds all T tokens of its heads, so attention within each document is the causal kernel run on
+each document's segment of T. Our own model uses the same exchange through model/ulysses.py.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "check_heads",
+    "document_segments",
     "heads_to_seq",
     "register_ulysses",
     "seq_to_heads",
@@ -206,30 +207,100 @@ def register_ulysses(group, name: str = "ulysses") -> str:
 
 
 def shard_row(
-    input_ids: torch.Tensor, group, labels=None, *, ignore_index: int = -100, doc_lens=None
-):
-    """This rank's share of whole rows input_ids [B, T] (the same on every rank of `group`).
+    row, sp_rank: int, sp_size: int, *, doc_lens=None, ignore_index: int = -100, pad_id: int = 0
+) -> dict:
+    """Rank `sp_rank` of `sp_size`'s share of a row of T + 1 token ids: its inputs and labels.
 
-    Returns (input_ids, position_ids, targets), each [B, T/sp]: rank r's tokens r*T/sp ..,
-    their global positions, and the label each token predicts (the next token of `labels`,
-    default input_ids; ignore_index after the row's end), shifted over the whole row before the
-    split, so a slice's last token predicts the first token of the next rank's slice.
-    doc_lens (B = 1; ints summing to T): the row is documents: positions count from 0 in each,
-    and a document's last token predicts nothing (ignore_index: the next one is another's).
+    row: 1-D, or [B, T + 1] rows (a tensor, a numpy array or memmap, a list). The inputs are
+    row[:T] and the labels row[1:], taken BEFORE the cut, so the last token of one rank's share
+    predicts the first token of the next rank's (a row of T ids gives T - 1 inputs and the loss
+    transformers computes with labels=input_ids). Each rank gets ceil(T / sp_size) tokens; the
+    row's end is padded: inputs pad_id, labels ignore_index, positions counting on. Under causal
+    attention the padding comes after every real token, so nothing real attends to it.
+
+    Returns {"input_ids", "labels", "position_ids"}, int64 [B, ceil(T / sp_size)]. position_ids
+    are global: rank r's share starts at r * ceil(T / sp_size), so RoPE turns each token by its
+    place in the whole row, not in its share.
+
+    doc_lens (B = 1): the row is documents, doc_lens[0] ids, then doc_lens[1], ... (summing to
+    T + 1, the row's last id included). Positions count from 0 in each document, no label crosses
+    into the next one (the label of a document's last input is ignored), and "doc_lens" is added:
+    the segments of the padded inputs that attention keeps causal attention within
+    (document_segments), the same tuple on every rank.
     """
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
-    B, T = input_ids.shape
-    if T % sp:
-        raise ValueError(f"shard_row: the row length {T} does not divide by sp={sp}; pad it")
-    n = T // sp
-    mine = slice(rank * n, (rank + 1) * n)
-    labels = input_ids if labels is None else labels
-    targets = F.pad(labels[:, 1:], (0, 1), value=ignore_index)  # [B, T]: token t predicts t+1
-    positions = torch.arange(T, device=input_ids.device).expand(B, T)
-    if doc_lens is not None:
-        lens = torch.tensor(doc_lens, device=input_ids.device)  # [documents]
-        starts = torch.cumsum(lens, 0) - lens  # where each document begins
-        positions = positions - torch.repeat_interleave(starts, lens)  # [B, T]: 0 at each start
-        targets = targets.clone()
-        targets[:, torch.cumsum(lens, 0) - 1] = ignore_index  # each document's last token
-    return input_ids[:, mine], positions[:, mine], targets[:, mine]
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")
+    rows = _as_rows(row)  # [B, T + 1], not converted yet: a memmap stays on disk
+    batch, t = rows.shape[0], rows.shape[1] - 1
+    if t < 1:
+        raise ValueError(f"a row needs at least 2 tokens (an input and its label), got {t + 1}")
+    per = -(-t // sp_size)  # ceil(T / sp_size)
+    lo = sp_rank * per
+    hi = max(lo, min(lo + per, t))  # this rank's real inputs: [lo, hi)
+    n = hi - lo
+    # Only this share of the row is converted, not the whole million tokens.
+    input_ids = torch.full((batch, per), pad_id, dtype=torch.long)
+    labels = torch.full((batch, per), ignore_index, dtype=torch.long)
+    input_ids[:, :n] = _as_long(rows[:, lo:hi])
+    labels[:, :n] = _as_long(rows[:, lo + 1 : hi + 1])
+    positions = torch.arange(lo, lo + per, dtype=torch.long).expand(batch, per).clone()
+    out = {"input_ids": input_ids, "labels": labels, "position_ids": positions}
+    if doc_lens is None:
+        return out
+    lens = torch.as_tensor(doc_lens, dtype=torch.long)  # [documents]
+    if batch != 1 or int(lens.sum()) != t + 1 or bool((lens < 1).any()):
+        raise ValueError(
+            f"doc_lens takes one row (B = 1, here {batch}) and lengths of at least 1 summing to "
+            f"its {t + 1} ids (the last label included), got {int(lens.sum())}"
+        )
+    starts = torch.cumsum(lens, 0) - lens  # [documents]: where each begins in the row
+    with_inputs = starts[starts < t]  # a document that begins at T (the last label) has none
+    place = torch.arange(lo, lo + per)  # [per]: this share's place in the row
+    document = torch.searchsorted(with_inputs, place, right=True) - 1  # [per]
+    positions[0] = place - with_inputs[document]  # from 0 in each; the padding counts on
+    last_inputs = starts[1:] - 1 - lo  # [documents - 1]: each one's last input, here
+    last_inputs = last_inputs[(last_inputs >= 0) & (last_inputs < n)]
+    labels[0, last_inputs] = ignore_index  # its label is the next document's first id
+    out["doc_lens"] = document_segments(doc_lens, per * sp_size)
+    return out
+
+
+def document_segments(doc_lens, length: int) -> tuple[int, ...]:
+    """The segments attention runs causal attention within, for a row of documents doc_lens
+    (shard_row's: ids, summing to T + 1) whose inputs are `length` >= T tokens.
+
+    The row's last id is a label only, so it leaves the last document; the padding (length - T)
+    joins the last segment, after every real token. A run of one-id documents (best-fit packing's
+    padding of end-of-text ids, or empty documents) is one segment: each one's only label is the
+    next document's first id, ignored, so nothing counted depends on what they attend to, and one
+    kernel call serves the run instead of one per token.
+    """
+    segments: list[int] = []
+    in_run = False  # whether segments[-1] is a run of one-id documents
+    last = len(doc_lens) - 1
+    for j, n in enumerate(doc_lens):
+        inputs = n - 1 if j == last else n
+        if inputs == 0:
+            continue  # the last document is the last label alone
+        alone = n == 1 and j < last
+        if alone and in_run:
+            segments[-1] += 1
+        else:
+            segments.append(inputs)
+        in_run = alone
+    segments[-1] += length - (sum(doc_lens) - 1)
+    return tuple(segments)
+
+
+def _as_rows(row):
+    """row as something 2-D to slice, [B, T + 1]: a 1-D row gets B = 1; a list becomes a tensor."""
+    if isinstance(row, (list, tuple)):
+        row = torch.tensor(row, dtype=torch.long)
+    return row if row.ndim == 2 else row[None]
+
+
+def _as_long(x) -> torch.Tensor:
+    """A tensor's or a numpy array's slice as int64; an array is copied (memmaps are read-only)."""
+    if isinstance(x, torch.Tensor):
+        return x.to(torch.long)
+    return torch.from_numpy(x.astype("int64"))

@@ -55,15 +55,16 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from data import build_rows, shard_row, sources
+from data import build_rows, sources
 from data.cache import token_cache_dir
-from data.documents import document_eos
+from data.documents import document_eos, row_documents
 from data.loader import batch_to
 from data.rows import token_file_rows
 from loss.chunked_ce import token_losses
 from memory.meter import StepMeter
 from model.config import ConfigError, Qwen3Config
 from model.parallel import build_mesh
+from model.ulysses_exchange import shard_row
 from run import retrieval
 from run.build import build_model, compute_device, compute_dtype, reshard
 from run.steplog import StepLog, finite_or_none
@@ -217,7 +218,9 @@ def evaluate_rows(
     totals = torch.zeros(2, len(edges) - 1, dtype=torch.float64, device=device)
     for i in range(-(-len(rows) // dp)):  # every rank the same number of forwards
         j = i * dp + dp_rank
-        batch = shard_row(rows[min(j, len(rows) - 1)], sp_rank, sp, IGNORE, eos_id=eos_id)
+        row = rows[min(j, len(rows) - 1)]
+        doc_lens = None if eos_id is None else row_documents(row, eos_id)
+        batch = shard_row(row, sp_rank, sp, doc_lens=doc_lens, ignore_index=IGNORE)
         if j >= len(rows):  # no row left for this rank: count nothing
             batch["labels"].fill_(IGNORE)
         batch = batch_to(batch, device)

@@ -45,7 +45,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from data import shard_row
 from data.retrieval import (
     DEPTHS,
     TASKS,
@@ -55,6 +54,7 @@ from data.retrieval import (
     shortest_length,
 )
 from loss.chunked_ce import token_losses
+from model.ulysses_exchange import shard_row
 from run.build import compute_device, reshard
 
 IGNORE = -100  # the label nobody counts: shard_row's padding, token_losses' ignore_index
@@ -121,7 +121,7 @@ def retrieval_cases(cfg, mc, model_dir, task: str, filler=None) -> RetrievalCase
 # ---------------------------------------------------------------------------------------------
 def answer_batch(case, sp_rank: int, sp: int) -> dict[str, torch.Tensor]:
     """This sp rank's slice of the case's row, the labels kept only on the answer's ids."""
-    batch = shard_row(case.ids, sp_rank, sp, IGNORE)
+    batch = shard_row(case.ids, sp_rank, sp, ignore_index=IGNORE)
     # The input at position p predicts ids[p + 1]: the answer's labels sit at answer_start - 1..
     keep = batch["position_ids"] >= case.answer_start - 1
     batch["labels"] = torch.where(keep, batch["labels"], IGNORE)

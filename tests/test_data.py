@@ -17,6 +17,7 @@ import torch
 
 import data
 from data import encode, sources
+from model.ulysses_exchange import shard_row
 
 EOS = "<|endoftext|>"
 SEQ = 63  # rows of 64 tokens
@@ -531,7 +532,7 @@ def test_synthetic_repeat_rows():
 @pytest.mark.parametrize("sp", [1, 2, 3, 4, 8])
 def test_sp_shards_put_together_equal_the_row(t, sp):
     row = torch.randint(1, 1000, (t + 1,))
-    shards = [data.shard_row(row, r, sp) for r in range(sp)]
+    shards = [shard_row(row, r, sp) for r in range(sp)]
     per = -(-t // sp)
     assert all(
         s[k].shape == (1, per) and s[k].dtype == torch.long
@@ -548,11 +549,11 @@ def test_sp_shards_put_together_equal_the_row(t, sp):
 
 def test_padded_shard_layout():
     row = np.arange(100, 111, dtype=np.uint32)  # T = 10 tokens of input, sp = 4 -> 3 per shard
-    last = data.shard_row(row, 3, 4, ignore_index=-1, pad_id=7)
+    last = shard_row(row, 3, 4, ignore_index=-1, pad_id=7)
     assert last["input_ids"].tolist() == [[109, 7, 7]]
     assert last["labels"].tolist() == [[110, -1, -1]]
     assert last["position_ids"].tolist() == [[9, 10, 11]]
-    first = data.shard_row(row, 0, 4)
+    first = shard_row(row, 0, 4)
     assert first["labels"].tolist() == [[101, 102, 103]]  # shifted before sharding
 
 
@@ -563,7 +564,7 @@ def test_loader_takes_rows_by_dp_rank_and_resumes():
             got = list(data.RowLoader(rows, dp, 2, sp, 2))
             assert len(got) == 3  # 7 rows, 2 per step: the odd one out is not used
             for step, batch in enumerate(got):
-                ref = data.shard_row(rows[step * 2 + dp], sp, 2)
+                ref = shard_row(rows[step * 2 + dp], sp, 2)
                 assert all(torch.equal(batch[k], ref[k]) for k in ref)
 
     straight = data.RowLoader(rows, 1, 2, 0, 2)

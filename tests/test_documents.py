@@ -22,10 +22,10 @@ from dist_utils import run_distributed, run_train
 from hf_ref import hf_model, save_hf
 from test_train import CFG, _common, eval_records, metrics
 
-from data.documents import even_documents
-from data.loader import shard_row
+from data.documents import even_documents, row_documents
 from memory.model_size import step_flops
 from model.config import PRESETS
+from model.ulysses_exchange import shard_row
 
 EOS = CFG.vocab_size - 1  # the end-of-text id; no other token takes it
 T = 64
@@ -55,23 +55,30 @@ def setup(tmp_path_factory):
     return d, ref, rows
 
 
+def per_document_sums(ref, row, lengths) -> tuple[torch.Tensor, int]:
+    """transformers on each document of one row alone: (the loss summed, labels counted)."""
+    loss_sum, count, start = 0.0, 0, 0
+    for i, n in enumerate(lengths):
+        ids = torch.as_tensor(row[start : start + n + 1], dtype=torch.long)  # with its next
+        logits = ref(ids[None, :n]).logits[0]  # [n, vocab], positions 0 .. n-1
+        # inside a document every token predicts the next; the eos's label is another
+        # document's first token, except for the last document, which the row cuts
+        counted = n if i == len(lengths) - 1 else n - 1
+        loss_sum = loss_sum + F.cross_entropy(
+            logits[:counted], ids[1 : counted + 1], reduction="sum"
+        )
+        count += counted
+        start += n
+    return loss_sum, count
+
+
 def per_document_reference(ref, rows) -> tuple[float, float, int]:
     """transformers on each document alone: (loss, grad norm, labels counted)."""
     ref.zero_grad()
     loss_sum, count = 0.0, 0
     for row, lengths in zip(rows, ROW_DOCS, strict=True):
-        start = 0
-        for i, n in enumerate(lengths):
-            ids = torch.as_tensor(row[start : start + n + 1], dtype=torch.long)  # with its next
-            logits = ref(ids[None, :n]).logits[0]  # [n, vocab], positions 0 .. n-1
-            # inside a document every token predicts the next; the eos's label is another
-            # document's first token, except for the last document, which the row cuts
-            counted = n if i == len(lengths) - 1 else n - 1
-            loss_sum = loss_sum + F.cross_entropy(
-                logits[:counted], ids[1 : counted + 1], reduction="sum"
-            )
-            count += counted
-            start += n
+        row_sum, row_count = per_document_sums(ref, row, lengths)
+        loss_sum, count = loss_sum + row_sum, count + row_count
     loss = loss_sum / count
     loss.backward()
     norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
@@ -82,7 +89,8 @@ def test_shards_carry_the_documents_positions_labels_and_lengths(setup):
     """The loader's view of row 0 at sp 4: positions restart after each eos, the label after an
     eos is ignored, and every shard carries the lengths of the whole row's documents."""
     _, _, rows = setup
-    shards = [shard_row(rows[0], r, 4, eos_id=EOS) for r in range(4)]
+    doc_lens = row_documents(rows[0], EOS)
+    shards = [shard_row(rows[0], r, 4, doc_lens=doc_lens) for r in range(4)]
     positions = torch.cat([s["position_ids"] for s in shards], 1)[0].tolist()
     labels = torch.cat([s["labels"] for s in shards], 1)[0]
     expected = [p for n in ROW_DOCS[0] for p in range(n)]
@@ -90,7 +98,22 @@ def test_shards_carry_the_documents_positions_labels_and_lengths(setup):
     ignored = (labels == -100).nonzero().flatten().tolist()
     assert ignored == [4, 5, 15, 31, 38, 51]  # every eos of the row, the one-token document's too
     assert all(s["doc_lens"] == tuple(ROW_DOCS[0]) for s in shards)
-    assert shard_row(rows[1], 1, 2, eos_id=EOS)["doc_lens"] == (20, 25, 3, 16)  # one eos run
+    last = shard_row(rows[1], 1, 2, doc_lens=row_documents(rows[1], EOS))
+    assert last["doc_lens"] == (20, 25, 3, 16)  # one eos run
+
+
+def test_an_eos_as_the_last_input_leaves_the_last_label_alone():
+    """The row's last label after an eos starts a document of its own: not predicted, and no
+    input of it for attention; lengths that do not sum to the row's ids are refused."""
+    row = np.array([3, 4, EOS, 5, EOS, 6])  # T = 5 inputs, then the last label
+    doc_lens = row_documents(row, EOS)
+    assert doc_lens == (3, 2, 1)
+    batch = shard_row(row, 0, 1, doc_lens=doc_lens)
+    assert batch["labels"].tolist() == [[4, EOS, -100, EOS, -100]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert batch["doc_lens"] == (3, 2)
+    with pytest.raises(ValueError, match="summing to its 6 ids"):
+        shard_row(row, 0, 1, doc_lens=(3, 2))
 
 
 @pytest.mark.slow
@@ -199,18 +222,18 @@ def test_rehearsal_counts_the_attention_kernels_documents_run(tmp_path):
     assert "documents of 1,500 tokens (--documents masked: 6 per row of 8,192 tokens)" in p.stdout
 
 
-def _ulysses_documents(rank, world, row, lengths):
+def _ulysses_documents(rank, world, row, doc_lens):
     """The copyable Ulysses piece on a transformers model, with document lengths: (loss, grads)."""
     import torch.distributed as dist
 
-    from model.ulysses_exchange import register_ulysses, shard_row
+    from model.ulysses_exchange import register_ulysses
 
     model = hf_model(CFG, seed=3)
     group = dist.group.WORLD
     model.set_attn_implementation(register_ulysses(group))
-    ids = torch.as_tensor(row[None, :T], dtype=torch.long)  # [1, T]
-    mine, positions, targets = shard_row(ids, group, doc_lens=lengths)
-    hidden = model.model(input_ids=mine, position_ids=positions, doc_lens=lengths)
+    batch = shard_row(torch.as_tensor(row), rank, world, doc_lens=doc_lens)  # T + 1 ids
+    mine, positions, targets = batch["input_ids"], batch["position_ids"], batch["labels"]
+    hidden = model.model(input_ids=mine, position_ids=positions, doc_lens=batch["doc_lens"])
     logits = model.lm_head(hidden.last_hidden_state)[0]  # [T/sp, vocab]
     count = torch.tensor(float((targets != -100).sum()))
     dist.all_reduce(count)
@@ -226,19 +249,13 @@ def _ulysses_documents(rank, world, row, lengths):
 @pytest.mark.parametrize("sp", [2, 4])
 def test_copyable_ulysses_piece_takes_document_lengths(setup, sp):
     """model/ulysses_exchange.py on transformers' model with doc_lens against that model run on
-    each document alone (here the row is its T inputs: the last document's last token, like
-    every document's, predicts nothing)."""
+    each document alone: row 0's T + 1 ids, its lengths with the last label in the last one."""
     _, ref, rows = setup
-    lengths = tuple(ROW_DOCS[0])
+    doc_lens = (*ROW_DOCS[0][:-1], ROW_DOCS[0][-1] + 1)  # summing to T + 1
     ref.zero_grad()
-    loss_sum, count, start = 0.0, 0, 0
-    for n in lengths:
-        ids = torch.as_tensor(rows[0][start : start + n], dtype=torch.long)[None]
-        logits = ref(ids).logits[0]
-        loss_sum = loss_sum + F.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum")
-        count, start = count + n - 1, start + n
+    loss_sum, count = per_document_sums(ref, rows[0], ROW_DOCS[0])
     (loss_sum / count).backward()
-    loss, grads = run_distributed(_ulysses_documents, sp, rows[0], lengths)[0]
+    loss, grads = run_distributed(_ulysses_documents, sp, rows[0], doc_lens)[0]
     print(f"sp {sp}: loss {loss:.8f} (transformers per document {loss_sum.item() / count:.8f})")
     assert loss == pytest.approx(loss_sum.item() / count, rel=1e-6)
     for n, p in ref.named_parameters():

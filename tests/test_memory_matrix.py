@@ -188,12 +188,12 @@ def _steps(rank, world, specs, rehearse=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import train
-    from data.loader import shard_row
     from memory.meter import StepMeter
     from model.checkpoint_offload import LayerPlacement, apply_offload
     from model.parallel import build_mesh, build_sharded_model
     from model.qwen3 import _RMSNormFn
     from model.ulysses import UlyssesAttention
+    from model.ulysses_exchange import shard_row
 
     out = []
     for spec in specs:
