@@ -579,21 +579,17 @@ def open_run_dir(cfg, *, probe: bool = False) -> RunLock | None:
             check_out_writable(os.path.dirname(os.path.abspath(cfg.metrics_file)))
         lock = RunLock(cfg.out)
         if probe:
-            lock.probe()
-            refuse_reuse(
-                cfg.out,
-                resuming=bool(cfg.resume),
-                overwrite=cfg.overwrite,
-                metrics_file=cfg.metrics_file,
-            )
-            return None
-        lock.acquire()
+            lock.probe()  # free now, but not taken
+        else:
+            lock.acquire()
         refuse_reuse(
             cfg.out,
             resuming=bool(cfg.resume),
             overwrite=cfg.overwrite,
             metrics_file=cfg.metrics_file,
         )
+        if probe:
+            return None
         if cfg.overwrite and not cfg.resume and previous_run(cfg.out, cfg.metrics_file):
             old = move_aside(cfg.out, lock)
             print(f"--overwrite: moved the earlier run to {old}", flush=True)
