@@ -6,14 +6,14 @@
     even_documents(1_048_576, 95_000)         # (95000, ..., 3576): a planned row's documents
 
 With `--documents masked` every end-of-text token ends its document: the document is its tokens
-up to and including the eos, and the next one starts after it. shard_row then keeps attention
-inside a document (model/attention.py runs causal attention on each document's segment of the
-row), restarts RoPE positions at 0, and ignores every label that would predict a next document's
-first token: the label at an eos (the token after it), while the eos itself is predicted by its
-document's last token. A document cut by the row's end is the last one of that row, its last
-label kept; the next row starts its rest as a new document at position 0 (a row never knows what
-came before it). Only the inputs (the row's first T ids) end documents: an eos as the row's last
-id, a label only, ends nothing.
+up to and including the eos, and the next one starts after it. With these lengths shard_row
+restarts RoPE positions at 0 in each document and ignores every label that would predict a next
+document's first token: the label at an eos (the token after it), while the eos itself is
+predicted by its document's last token. It also hands attention the row's segments
+(model/attention.py runs causal attention on each one). A document cut by the row's end is the
+last one of that row, its last label kept; the next row starts its rest as a new document at
+position 0 (a row never knows what came before it). Only the inputs (the row's first T ids) end
+documents: an eos as the row's last id, a label only, ends nothing.
 
 A run of eos tokens after a document's own eos (best-fit packing's padding, data/packing.py, or
 empty documents) is a run of one-token documents: positions restart at each, every label in it is

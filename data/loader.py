@@ -4,7 +4,7 @@
     for batch in loader:   # {"input_ids", "labels", "position_ids"}: int64 [1, ceil(T / sp_size)]
         ...
         save({"data": loader.state_dict(), ...})    # after the step; load_state_dict() resumes
-    loader = RowLoader(rows, ..., eos_id=eos)   # documents: + "doc_lens", the row's (n1, n2, ...)
+    loader = RowLoader(rows, ..., eos_id=eos)   # documents: + "doc_lens", attention's segments
 
 A row holds T + 1 tokens; shard_row (model/ulysses_exchange.py, the copyable Ulysses piece)
 cuts this sp rank's share of it: inputs and labels shifted before the cut, global positions, the
@@ -107,7 +107,7 @@ class RowLoader:
     def _shard_labels_mask(self, mask: Any) -> torch.Tensor:
         """A bool per label of the row (over row[1:], [T]) cut as the labels are: mask[i] is
         input i's label's, so it is cut as the inputs are, the padding False."""
-        as_row = np.append(np.asarray(mask, dtype=np.int64), 0)  # [T + 1]: a row to cut
+        as_row = np.append(np.asarray(mask, dtype=bool), False)  # [T + 1]: one byte a token
         return shard_row(as_row, self.sp_rank, self.sp_size)["input_ids"].bool()
 
     def state_dict(self) -> dict[str, int]:

@@ -12,7 +12,8 @@ register_ulysses). README's "Use a piece in your own code" applies them to Qwen3
     hidden = model.model(input_ids=..., position_ids=..., doc_lens=batch["doc_lens"])
 
 Outside attention every sp rank holds a contiguous slice of the sequence, T/sp tokens, for all
-heads. Attention needs every token, so around it two all-to-alls trade the split:
+heads (T here is the row as shard_row padded it, sp x ceil(T / sp) tokens). Attention needs every
+token, so around it two all-to-alls trade the split:
 
     q, k, v  [B, T/sp, heads, hd]  --all-to-all-->  [B, T, heads/sp, hd]   (all tokens, few heads)
     causal attention over the whole sequence, heads/sp heads per rank
@@ -173,8 +174,9 @@ def transformers_attention(group):
 
     It is called as transformers calls sdpa's: (module, query [B, nh, T/sp, hd], key, value
     [B, nkv, T/sp, hd], attention_mask, scaling=, dropout=, **kwargs) -> (out [B, T/sp, nh, hd],
-    None), causal over the row put together from all ranks; a doc_lens keyword (the lengths of
-    that whole row's documents, passed to the model's forward) keeps it within each document.
+    None), causal over the row put together from all ranks; a doc_lens keyword (shard_row's
+    batch["doc_lens"], the segments of that whole row, passed to the model's forward) keeps it
+    within each segment.
     """
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -213,24 +215,28 @@ def shard_row(
 
     row: 1-D, or [B, T + 1] rows (a tensor, a numpy array or memmap, a list). The inputs are
     row[:T] and the labels row[1:], taken BEFORE the cut, so the last token of one rank's share
-    predicts the first token of the next rank's (a row of T ids gives T - 1 inputs and the loss
-    transformers computes with labels=input_ids). Each rank gets ceil(T / sp_size) tokens; the
-    row's end is padded: inputs pad_id, labels ignore_index, positions counting on. Under causal
-    attention the padding comes after every real token, so nothing real attends to it.
+    predicts the first token of the next rank's. (transformers' input_ids of L ids, passed as
+    the row, give L - 1 inputs and the loss of labels=input_ids.) Each rank gets ceil(T / sp_size)
+    tokens; the row's end is padded: inputs pad_id, labels ignore_index, positions counting on.
+    Under causal attention the padding comes after every real token, so nothing real attends to
+    it.
 
-    Returns {"input_ids", "labels", "position_ids"}, int64 [B, ceil(T / sp_size)]. position_ids
-    are global: rank r's share starts at r * ceil(T / sp_size), so RoPE turns each token by its
-    place in the whole row, not in its share.
+    Returns {"input_ids", "labels", "position_ids"}, int64 [B, ceil(T / sp_size)], on the row's
+    device (a tensor's; else the CPU). position_ids are global: rank r's share starts at
+    r * ceil(T / sp_size), so RoPE turns each token by its place in the whole row, not in its
+    share.
 
     doc_lens (B = 1): the row is documents, doc_lens[0] ids, then doc_lens[1], ... (summing to
-    T + 1, the row's last id included). Positions count from 0 in each document, no label crosses
-    into the next one (the label of a document's last input is ignored), and "doc_lens" is added:
-    the segments of the padded inputs that attention keeps causal attention within
-    (document_segments), the same tuple on every rank.
+    T + 1, the row's last id included). Positions count from 0 in each document, and no label
+    crosses into the next one: the label of a document's last input is ignored (the last
+    document's is kept: the row's last id is its own). "doc_lens" is added to the batch: not the
+    lengths given but attention's segments of the padded inputs (document_segments), the same
+    tuple on every rank; pass that one to the model.
     """
     if not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank must be in [0, {sp_size}), got {sp_rank}")
-    rows = _as_rows(row)  # [B, T + 1], not converted yet: a memmap stays on disk
+    rows = _as_rows(row)  # [B, T + 1], not converted yet: of a memmap only [lo, hi] is read
+    device = rows.device if isinstance(rows, torch.Tensor) else torch.device("cpu")
     batch, t = rows.shape[0], rows.shape[1] - 1
     if t < 1:
         raise ValueError(f"a row needs at least 2 tokens (an input and its label), got {t + 1}")
@@ -239,15 +245,16 @@ def shard_row(
     hi = max(lo, min(lo + per, t))  # this rank's real inputs: [lo, hi)
     n = hi - lo
     # Only this share of the row is converted, not the whole million tokens.
-    input_ids = torch.full((batch, per), pad_id, dtype=torch.long)
-    labels = torch.full((batch, per), ignore_index, dtype=torch.long)
+    input_ids = torch.full((batch, per), pad_id, dtype=torch.long, device=device)
+    labels = torch.full((batch, per), ignore_index, dtype=torch.long, device=device)
     input_ids[:, :n] = _as_long(rows[:, lo:hi])
     labels[:, :n] = _as_long(rows[:, lo + 1 : hi + 1])
-    positions = torch.arange(lo, lo + per, dtype=torch.long).expand(batch, per).clone()
+    positions = torch.arange(lo, lo + per, device=device).expand(batch, per).clone()
     out = {"input_ids": input_ids, "labels": labels, "position_ids": positions}
     if doc_lens is None:
         return out
-    lens = torch.as_tensor(doc_lens, dtype=torch.long)  # [documents]
+    doc_lens = [int(n) for n in doc_lens]  # plain ints, whatever held them
+    lens = torch.tensor(doc_lens, dtype=torch.long, device=device)  # [documents]
     if batch != 1 or int(lens.sum()) != t + 1 or bool((lens < 1).any()):
         raise ValueError(
             f"doc_lens takes one row (B = 1, here {batch}) and lengths of at least 1 summing to "
@@ -255,7 +262,7 @@ def shard_row(
         )
     starts = torch.cumsum(lens, 0) - lens  # [documents]: where each begins in the row
     with_inputs = starts[starts < t]  # a document that begins at T (the last label) has none
-    place = torch.arange(lo, lo + per)  # [per]: this share's place in the row
+    place = torch.arange(lo, lo + per, device=device)  # [per]: this share's place in the row
     document = torch.searchsorted(with_inputs, place, right=True) - 1  # [per]
     positions[0] = place - with_inputs[document]  # from 0 in each; the padding counts on
     last_inputs = starts[1:] - 1 - lo  # [documents - 1]: each one's last input, here
@@ -275,6 +282,7 @@ def document_segments(doc_lens, length: int) -> tuple[int, ...]:
     next document's first id, ignored, so nothing counted depends on what they attend to, and one
     kernel call serves the run instead of one per token.
     """
+    doc_lens = [int(n) for n in doc_lens]  # plain ints (a tensor's elements would be views)
     segments: list[int] = []
     in_run = False  # whether segments[-1] is a run of one-id documents
     last = len(doc_lens) - 1

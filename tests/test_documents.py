@@ -116,6 +116,14 @@ def test_an_eos_as_the_last_input_leaves_the_last_label_alone():
         shard_row(row, 0, 1, doc_lens=(3, 2))
 
 
+def test_document_lengths_held_in_a_tensor_or_an_array_are_read_as_ints():
+    row = torch.tensor([1, 2, 3, EOS, EOS, EOS, 6, 7, 8])  # a run of two lone eos after a document
+    lengths = torch.tensor([4, 1, 1, 3])
+    for given in (lengths, lengths.numpy(), lengths.tolist()):
+        assert shard_row(row, 1, 2, doc_lens=given)["doc_lens"] == (4, 2, 2)
+    assert lengths.tolist() == [4, 1, 1, 3]  # the caller's tensor is left as it was
+
+
 @pytest.mark.slow
 def test_masked_documents_match_transformers_per_document(setup):
     d, ref, rows = setup
