@@ -253,8 +253,7 @@ def shard_row(
     out = {"input_ids": input_ids, "labels": labels, "position_ids": positions}
     if doc_lens is None:
         return out
-    doc_lens = [int(n) for n in doc_lens]  # plain ints, whatever held them
-    lens = torch.tensor(doc_lens, dtype=torch.long, device=device)  # [documents]
+    lens = torch.as_tensor(doc_lens, dtype=torch.long, device=device)  # [documents]
     if batch != 1 or int(lens.sum()) != t + 1 or bool((lens < 1).any()):
         raise ValueError(
             f"doc_lens takes one row (B = 1, here {batch}) and lengths of at least 1 summing to "
