@@ -6,55 +6,25 @@
     p.eval_total, p.eval_peak.name          # an evaluation's forward alone (run/evaluate.py)
     python -m memory.report --model qwen3-8b --seq-len 1048576   # train.py --dry-run's table
 
-The step it models is this repository's: FSDP2 over all GPUs with fp32 master weights, bf16
-compute and fp32 gradient reduction; AdamW; Ulysses sequence parallelism (each GPU holds T/sp
-tokens, and every token for heads/sp heads inside attention); each decoder layer keeps only its
-input (in pinned host memory with offload) and is recomputed in backward; the MLP optionally runs
-in row tiles; a one-pass chunked cross-entropy that never builds the logits.
+The step it models is this repository's: FSDP2 over all GPUs, Ulysses sequence parallelism, each
+decoder layer recomputed in backward from what it kept (in pinned host memory or on the GPU, as
+the layout says), the MLP optionally in row tiles, and a chunked cross-entropy that never builds
+the logits. docs/planner.md describes each part and what it is checked against.
 
-It predicts what memory/meter.py measures (torch.cuda.max_memory_allocated): the live tensor
-bytes at the step's largest moment, on the rank holding the largest shards (FSDP2 pads every
-tensor's first dimension to a multiple of the world size). The step is a sequence of moments, each
-a set of typed buffers (Buffer) on top of what is held throughout (Held: the fp32 state and saved
-inputs kept on the GPU): the loss in forward and in backward, then the backward of layers L-1, 1
-and 0 (where FSDP2's buffers peak), each at four moments (the MLP's, the post-attention norm's,
-SDPA's, the q/k norms'), and the optimizer step (held and every gradient shard). The peak is the
-largest. What is held to what: the peak (Plan.total) to the CPU meter's at step 2 within 5% on
-every layout of tests/test_memory_matrix.py (1% on its tied and mixed layouts, also step 1 to
-Plan.first_step_total), and the largest moment of the loss and of the layers' backward to the
-rehearsal's phase peaks within 3% at real shapes (tests/test_rehearsal_shapes.py); the host blocks
-and copied bytes to the pool's, exactly. No other single moment is measured. Not counted: a
-layer's forward (the same gathered units, no gradients). The first step has no AdamW states until
-its optimizer step creates them (Plan.first_step_total). An evaluation (a forward alone, under
-no_grad: nothing saved, no gradients, no checkpointing) is planned apart, as eval_moments on top
-of the fp32 state (the parameter shards and AdamW's states, which exist during a run's
-evaluations after its first step; Plan.eval_total_without_adamw for --eval-only and step 0): a
-layer's forward (the layer gathered, and another one: the next one prefetched, or on CPU the
-all-gather's output still held), the final norm with [norm + lm_head] being gathered, and the
-chunked loss without its gradient buffers; Plan.eval_total, at most Plan.total. It is the
-retrieval evaluation's too (run/retrieval.py): a case is at most a row, and its answer's logits
-([answer tokens, V], a few rows) come after the loss's chunks are freed.
-device="cuda" adds what a CUDA kernel allocates inside itself (FlashAttention's fp32 dq
-accumulator); fused_norm=False models an RMSNorm left to autograd (transformers'), which also
-saves an fp32 copy of its input and the normalised bf16 tensor.
+The one idea: the planner predicts what memory/meter.py measures (torch.cuda.max_memory_allocated),
+the live tensor bytes at the step's largest moment. A moment is one point of the step, such as
+the MLP's backward in layer 0. Each moment is a set of typed buffers (Buffer, memory/buffers.py)
+on top of what is held throughout (Held: the fp32 state and the saved tensors kept on the GPU).
+The moments are the loss in forward and in backward, the backward of layers L-1, 1 and 0 (where
+FSDP2's buffers peak) at four moments each, and the optimizer step. The peak (Plan.total) is the
+largest. It is held within 5% of the CPU meter at step 2 on every layout of
+tests/test_memory_matrix.py, and the host bytes exactly to the offload pool's.
 
-Attention once (save_attention, model/checkpoint_offload.py's apply_offload(save_attention=True)):
-each layer's attention output [T, nh/sp, hd] and fp32 log-sum-exp [nh/sp, T] are kept from the
-forward, so the recompute skips attention's forward (1.52e18 -> 1.20e18 FLOPs at 1M tokens). They go
-to the offload pool's pinned blocks for every layer but the last, whose input, output and
-log-sum-exp stay on the device for the loss moments (backward starts there: a copy would stall it).
-Which layers keep it, and where, is a layout (Options.placements, one LayerPlacement per layer):
-memory/layouts.py picks the fastest that fits the GPU and the host.
-
-CPU offload (cpu_offload, FSDP2's CPUOffloadPolicy): the fp32 parameter shards, gradient shards and
-AdamW states live in host memory, the parameter and gradient shards pinned one buffer each by
-torch's host allocator (rounded up to a power of two). The GPU keeps one unit's fp32 shards on
-their way in and one unit's gradient shards on their way out; AdamW's CPU time is projected from
-the bytes it touches and an assumed host memory bandwidth (host_gbps).
-
-Kept free on the GPU besides the peak: the CUDA context and NCCL's buffers (CUDA_CONTEXT_GB,
-NCCL_GB_PER_COMMUNICATOR: projected, outside torch's allocator) and reserve_gb of allocator slack.
-With attn_backend="flash", its backward's GQA expansion of dk and dv is counted too.
+Besides the peak, a plan has the first step's (Plan.first_step_total: no AdamW state yet), an
+evaluation's (Plan.eval_total: a forward alone, nothing saved), the host memory per node, FSDP2's
+CPU offload's cost, and what is kept free on the GPU outside torch's allocator (the CUDA context,
+NCCL's buffers and reserve_gb). Which layers keep their attention, and where, is a layout
+(Options.placements, one LayerPlacement per layer), which memory/layouts.py chooses.
 
 FLOPs count matrix products only (memory/model_size.py's step_flops). Nothing is allocated: every
 size is arithmetic on the config. GB here means 1e9 bytes, GiB 2**30.
@@ -129,7 +99,7 @@ class Options:
 
     offload: bool = True  # layer inputs to pinned host memory (model/checkpoint_offload.py)
     offload_min_bytes: int = 0  # smaller tensors stay on the device (the pool's min_bytes)
-    save_attention: bool = False  # attention once (see the module docstring)
+    save_attention: bool = False  # attention once: out and lse kept (docs/planner.md)
     layout_why: str = "given"  # how the layout was decided: given, --layout FILE, or the chooser
     # one LayerPlacement per decoder layer (model/checkpoint_offload.py); None: default_placements
     # from offload and save_attention. Given, it decides both (plan() sets them from it).
@@ -141,7 +111,7 @@ class Options:
     norm_chunk: int = RMSNORM_CHUNK_ELEMS  # elements per row chunk of the norm's fp32 temporaries
     compute_bytes: int = 2
     master_bytes: int = 4
-    cpu_offload: bool = False  # FSDP2's CPU offload of the fp32 state (see the module docstring)
+    cpu_offload: bool = False  # FSDP2's CPU offload of the fp32 state (docs/planner.md)
     device: str = "cuda"  # "cuda": with kernel workspaces a CPU meter cannot see
     gpu_mem_gb: float = 80.0
     reserve_gb: float = 2.0  # kept free besides the CUDA context and NCCL: allocator slack
