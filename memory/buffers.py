@@ -105,6 +105,8 @@ def _norm_saved(rows: int, dim: int, b: int, fused: bool, input_elsewhere: bool)
     left to autograd: normalise in fp32, cast, scale): an fp32 copy of the input, the normalised
     bf16 tensor and the fp32 rstd.
     """
+    # per element: the input (b bytes), or the fp32 copy (4) and the normalised tensor (b);
+    # per row: the fp32 rstd (4 bytes)
     if fused:
         return (0 if input_elsewhere else rows * dim * b) + rows * 4
     return rows * dim * (4 + b) + rows * 4
@@ -138,12 +140,13 @@ def layer_saved_bytes(
         Buffer.NORMED_INPUT: X,
         Buffer.QK_NORMS: _norm_saved(t * nh, hd, b, fused_norm, False)
         + _norm_saved(t * nkv, hd, b, fused_norm, False),
-        Buffer.QKV_AT_SDPA: Q + 2 * K,
+        Buffer.QKV_AT_SDPA: Q + 2 * K,  # q, and k and v
         Buffer.ATTN_OUT: Q,
-        Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T]
+        Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T] in fp32 (4 bytes)
         Buffer.O_PROJ_INPUT: Q if sp > 1 else 0,
         Buffer.POST_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=False),
         Buffer.MLP_INPUT: X,
+        # untiled: 4 x [t, intermediate]: gate, up, act = silu(gate), product = act * up
         Buffer.MLP_INTERMEDIATES: 0 if tiled_mlp else 4 * t * inter * b,
     }
 
@@ -198,21 +201,27 @@ def layer_backward_moments(
     io = {  # offload=False: the input is among the kept ones (memory/plan.py counts it so)
         Buffer.LAYER_INPUT: X if offload else 0,
         Buffer.NEXT_INPUT: X if offload else 0,
-        Buffer.ROPE: 2 * t * hd * b,
+        Buffer.ROPE: 2 * t * hd * b,  # cos and sin, [t, hd] each
     }
     if tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
         mlp = {
             Buffer.OUTPUT_GRAD: X,
+            # 7 x [tile, intermediate]: the tile's gate, up, act = silu(gate) and product =
+            # act * up (4), and the gradients of product, act and up (3)
             Buffer.MLP_TILE: 7 * min(mlp_tile, t) * inter * b,
+            # 3 fp32 (4-byte) accumulators, one per weight: gate_proj, up_proj, down_proj
             Buffer.MLP_WEIGHT_GRAD_ACC: 3 * H * inter * 4,
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
         }
     else:  # the product itself is freed at its backward; gate, up and act are counted here
+        # 6 x [t, intermediate]: gate, up, act (3), and the gradients of product, act and up (3)
         mlp = {Buffer.OUTPUT_GRAD: X, Buffer.MLP_BACKWARD: 6 * t * inter * b}
     post = {
         Buffer.OUTPUT_GRAD: X,
         Buffer.MLP_INPUT_GRAD: X,
         Buffer.NORM_INPUT_GRAD: X,
+        # 4 fp32 (4-byte) tensors per element of one row chunk: the normalised rows, the upcast
+        # gradient and two partial results of the input gradient's expression
         Buffer.NORM_TEMPORARIES: 4 * min(t * H, norm_chunk) * 4,
     }
     cuda = device == "cuda"
@@ -220,17 +229,19 @@ def layer_backward_moments(
     attn = {
         Buffer.RESIDUAL_GRAD: X,
         Buffer.ATTN_OUT_GRAD: Q,
-        Buffer.QKV_GRAD_AT_SDPA: Q + 2 * K,
+        Buffer.QKV_GRAD_AT_SDPA: Q + 2 * K,  # dq, and dk and dv
         attention_workspace(attn_backend): backward_workspace_bytes(t, nh, hd) if cuda else 0,
-        Buffer.FLASH_GQA_GRADS: 2 * Q if expands else 0,
+        Buffer.FLASH_GQA_GRADS: 2 * Q if expands else 0,  # dk and dv, q-sized once expanded
     }
     qk = {
         Buffer.RESIDUAL_GRAD: X,
-        Buffer.QKV_GRAD: Q + 2 * Kl,
-        Buffer.NORM_TEMPORARIES: 4 * min(t * nh * hd, norm_chunk) * 4,
+        Buffer.QKV_GRAD: Q + 2 * Kl,  # dq, and dk and dv
+        Buffer.NORM_TEMPORARIES: 4 * min(t * nh * hd, norm_chunk) * 4,  # as the post norm's
     }
     # The layer's own unsharded gradients (compute dtype) made by each moment: backward runs the
-    # MLP (down_proj first), then o_proj, SDPA, the q/k norms, then the projections.
+    # MLP (down_proj first), then o_proj, SDPA, the q/k norms, then the projections. HI: one MLP
+    # weight's gradient (3 x HI: gate_proj, up_proj, down_proj); HQ: o_proj's. Tiled, the MLP's
+    # weight gradients are in the fp32 accumulators until its backward ends.
     HI, HQ = H * inter * b, H * nh * hd * b
     return {
         "MLP backward": {
@@ -295,19 +306,22 @@ def layer_forward_moments(
     # RMSNorm's forward per element of a chunk: its square, then the normalised rows (fp32
     # inputs: one at a time); for bf16 also the fp32 upcast the two are made from, and the cast.
     # Per row: the fp32 1/rms of every row, and of the chunk's rows.
-    norm_bytes = 4 if b == 4 else 4 + 4 + b
-    io = {Buffer.FORWARD_INPUT: X, Buffer.ROPE: 2 * t * hd * b}
+    norm_bytes = 4 if b == 4 else 4 + 4 + b  # bf16: upcast, square or normalised rows, cast
+    io = {Buffer.FORWARD_INPUT: X, Buffer.ROPE: 2 * t * hd * b}  # RoPE: cos and sin
     return {
         "q norm forward": {
             **io,
             Buffer.NORMED_INPUT: X,
             Buffer.QKV_NORMED: 2 * Q,  # q_proj's output and the norm's
+            # 8 bytes per row (t x nh rows of hd): the fp32 1/rms of every row (4), and of the
+            # chunk's rows (4, counted for every row: a bound)
             Buffer.NORM_TEMPORARIES: min(t * nh * hd, norm_chunk) * norm_bytes + 8 * t * nh,
         },
         "RoPE forward": {
             **io,
             Buffer.NORMED_INPUT: X,
             Buffer.QKV_NORMED: Q + 2 * Kl,
+            # x cos, rotate_half(x) and its product with sin: 3 x q, or q rotated and 3 x k
             Buffer.ROPE_TEMPORARIES: max(3 * Q, Q + 3 * Kl),
         },
         "attention forward": {
@@ -316,19 +330,21 @@ def layer_forward_moments(
             Buffer.QKV_ROTATED: Q + 2 * Kl,
             Buffer.QKV_AT_SDPA: Q + 2 * K if sp > 1 else 0,
             Buffer.ATTN_OUT: Q,
+            # sp > 1: the exchange's send and receive buffers; sp = 1: the [t, nh x hd] copy
             Buffer.ATTN_OUT_BACK: 2 * Q if sp > 1 else Q,
         },
         "post-attention norm forward": {
             **io,
             Buffer.RESIDUAL: X,
             Buffer.POST_NORM: X,
-            Buffer.NORM_TEMPORARIES: min(t * H, norm_chunk) * norm_bytes + 8 * t,
+            Buffer.NORM_TEMPORARIES: min(t * H, norm_chunk) * norm_bytes + 8 * t,  # as the q norm's
         },
         "MLP forward": {
             **io,
             Buffer.RESIDUAL: X,
             Buffer.POST_NORM: X,
-            Buffer.MLP_FORWARD: 3 * rows * inter * b,
+            Buffer.MLP_FORWARD: 3 * rows * inter * b,  # act, up and product = act x up
+            # the output [t, H] and one tile's down projection [tile, H]
             Buffer.MLP_OUTPUT: X + rows * H * b if tiled_mlp else 0,
         },
     }
@@ -355,13 +371,17 @@ def eval_loss_moments(
     return {
         "final norm forward": {
             Buffer.FORWARD_INPUT: X,
-            Buffer.ROPE: 2 * tokens * c.head_dim * b,
+            Buffer.ROPE: 2 * tokens * c.head_dim * b,  # cos and sin
             Buffer.HIDDEN: X,
+            # 4 fp32 (4-byte) tensors per element of one row chunk, as a norm backward's: a bound
+            # on the forward's (compare norm_bytes in layer_forward_moments)
             Buffer.NORM_TEMPORARIES: 4 * min(tokens * H, norm_chunk) * 4,
         },
         "loss forward (evaluation)": {
             Buffer.HIDDEN: X,
             Buffer.EVAL_LOSSES: tokens * (8 + 4 + 4),  # indices, losses, the [t] they go into
+            # per row of the chunk: fp32 logits and log-probabilities (4 + 4 bytes per vocabulary
+            # entry), on CPU a bf16 product (b), and the row itself gathered (H x b)
             Buffer.LOSS_CHUNK: rows * (V * (8 + (b if low and not fused else 0)) + H * b),
         },
     }
@@ -391,6 +411,7 @@ def loss_moments(
     V, H = c.vocab_size, c.hidden_size
     X, rows = tokens * H * b, min(loss_chunk, tokens)
     low, fused = b < 4, device == "cuda"
+    # fp32 logits and log-probabilities (4 + 4 bytes per vocabulary entry), bf16 p (b)
     chunk = rows * V * (8 + (b if low else 0))
     if low and not fused:
         chunk += max(rows * V * b, V * H * b)
@@ -400,13 +421,13 @@ def loss_moments(
             Buffer.FINAL_NORM: norm,
             Buffer.HIDDEN: X,
             Buffer.HIDDEN_GRAD: X,
-            Buffer.LM_HEAD_GRAD_ACC: V * H * 4,
+            Buffer.LM_HEAD_GRAD_ACC: V * H * 4,  # fp32
             Buffer.LOSS_CHUNK: chunk,
         },
         "loss backward": {
             Buffer.FINAL_NORM: norm,
             Buffer.LM_HEAD_GRAD_ACC: V * H * 4,
             Buffer.LM_HEAD_GRAD: V * H * b,
-            Buffer.HIDDEN_GRAD_SCALED: 2 * X,
+            Buffer.HIDDEN_GRAD_SCALED: 2 * X,  # the gradient and its scaled copy
         },
     }
