@@ -62,6 +62,19 @@ def test_model_and_loss_stand_alone_and_open_with_usage(path):
     assert any(is_python(line.strip()) for line in opening), f"{path} opens with no usage"
 
 
+@pytest.mark.parametrize("path", python_files("model", "loss", "memory", "run", "data"))
+def test_module_docstrings_are_at_most_45_lines(path):
+    """A module docstring says what the file is for, how to use it and the one idea, in about 40
+    lines; derivations live next to the code they explain or in docs/. Counted in the file, from
+    the opening quotes to the closing ones."""
+    tree = parse(path)
+    if not ast.get_docstring(tree):
+        return
+    doc = tree.body[0]
+    lines = doc.end_lineno - doc.lineno + 1
+    assert lines <= 45, f"{path}: the module docstring is {lines} lines"
+
+
 def is_python(line: str) -> bool:
     try:
         ast.parse(line)
