@@ -35,10 +35,7 @@ SafeLoadPlanner. A file that needs more is refused by name. The manifest is run/
 Resuming on another layout: DCP reshards model and optimizer; the loader continues at the saved
 global row, so the new dp ranks read the rows a run of the new layout would read next; RNG state
 is restored per rank when world, sp and dp are the same, else rebuilt from the seed and the step.
-
-Before writing, the free space under OUT/checkpoints is compared with the checkpoint's size
-(every rank's tensors); a shortfall raises DiskSpaceError and writes nothing, so the last good
-checkpoint stays as it was. free_bytes() is the one place that asks the filesystem.
+Before writing, a checkpoint that the disk has no room for raises DiskSpaceError.
 """
 
 from __future__ import annotations
@@ -65,7 +62,12 @@ FORMAT = 1  # the version of train_state.json's fields, checked on load
 
 
 class DiskSpaceError(RuntimeError):
-    """Not enough free disk for the next checkpoint or the final model; nothing was written."""
+    """Not enough free disk for the next checkpoint or the final model; nothing was written.
+
+    Before writing, save_checkpoint compares the free space under OUT/checkpoints with the
+    checkpoint's size (every rank's tensors); a shortfall raises this and writes nothing, so the
+    last good checkpoint stays as it was. free_bytes() is the one place that asks the filesystem.
+    """
 
 
 def free_bytes(path: str) -> int:

@@ -35,12 +35,9 @@ What (one record per evaluation, in the run's metrics file, and to its reporters
     {"step": N, "eval": true, "eval_loss": L, "eval_tokens": n, "eval_ppl": exp(L),
      "loss_by_position": [[start, end, mean loss, tokens], ...], "eval_time_s": s,
      "eval_peak_mem_gb": measured or null, "eval_planned_peak_gb": planned}
-Buckets (bucket_edges): [0, 1024), [1024, 2048), [2048, 4096), ..., doubling, the last one ending
-at the row's end; rows under 8 x 1024 tokens start at seq_len / 8 rounded down to a power of two,
-so that they get 4 buckets too (the demo's 512 tokens: [0, 64), [64, 128), [128, 256), [256, 512)).
-
-The evaluation at step 0 doubles as a configuration check (context_warning): when the loss past
-the model's original context is far above the loss within it, the log says so in one line.
+The buckets double in length from [0, 1024) to the row's end (bucket_edges). The evaluation at
+step 0 also checks the configuration: context_warning says when the loss past the model's
+original context is far above the loss within it.
 """
 
 from __future__ import annotations
@@ -195,7 +192,12 @@ def load_held_out(
 # The forward-only loop
 # ---------------------------------------------------------------------------------------------
 def bucket_edges(seq_len: int) -> list[int]:
-    """[0, first, 2 first, 4 first, ..., seq_len]: see the module docstring."""
+    """[0, first, 2 first, 4 first, ..., seq_len]: the loss-by-position buckets.
+
+    [0, 1024), [1024, 2048), [2048, 4096), ..., doubling, the last one ending at the row's end;
+    rows under 8 x 1024 tokens start at seq_len / 8 rounded down to a power of two, so that they
+    get 4 buckets too (the demo's 512 tokens: [0, 64), [64, 128), [128, 256), [256, 512)).
+    """
     first = min(FIRST_BUCKET, max(1, 2 ** (seq_len.bit_length() - 1) // 2 ** (MIN_BUCKETS - 1)))
     edges, e = [0], first
     while e < seq_len:
