@@ -6,7 +6,9 @@
     layer_backward_moments(config, 131_072, 8)   # {"MLP backward": {Buffer: bytes}, ...}
     layer_forward_moments(config, 131_072, 8)    # the same for a forward alone (evaluation)
 
-Buffer names every kind of tensor memory/plan.py counts (these activations, FSDP2's gathered
+A moment is one point of the step (the MLP's backward, say) at which memory/plan.py adds up the live
+tensors; each moment here is a dict {Buffer: bytes}, and each constant in it says which tensors it
+counts. Buffer names every kind of tensor memory/plan.py counts (these activations, FSDP2's gathered
 units and fp32 buffers, the loss's tensors); its value is only the label shown to users, so the
 planner's sums never depend on wording. Sizes are per GPU at `tokens` local tokens, arithmetic on
 the config: nothing is allocated.
