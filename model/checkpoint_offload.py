@@ -27,8 +27,8 @@ The one idea. Torch's own baseline is three lines:
             x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
 
 This file works the same way (non-reentrant checkpoint saves a layer's inputs through the
-saved-tensor hooks around it) but makes the copies cheap: only the hidden state moves, into
-pinned blocks reused every step, on side streams, and each comes back one layer ahead. With
+saved-tensor hooks around it) but makes the copies cheap: of the inputs only the hidden state moves,
+into pinned blocks reused every step, on side streams, and each comes back one layer ahead. With
 save_attention the recompute also skips attention's forward, and a tiled MLP skips its tiles.
 docs/offload.md tells a layer input's journey in the order it happens, and why not save_on_cpu.
 
