@@ -2,7 +2,7 @@
 (1,048,576 tokens over 8 GPUs at sp=8, attention once, 16,384-row MLP tiles, the kernel train.py
 pins), and the 8-GPU step projected from them; what only a GPU shows besides: train.py's backend
 probe and its fallback, memory outside torch's allocator, attention past 2^31 elements, and a
-train.py --cpu-offload run. README "On one GPU" lists the parts and the sum.
+train.py --cpu-offload run. docs/one-gpu.md lists the parts and the sum.
 
     timeout 360 python bench/gpu_check.py --budget-s 330 --out gpu_check.json   # ~3 min expected
     python bench/gpu_check.py --parts attention,backends --out r.json

@@ -3,8 +3,8 @@ that (its input, and optionally attention's output and log-sum-exp) waits in hos
 the GPU, as one placement per layer says.
 
 To use it elsewhere: copy this file and model/host_pool.py next to each other; they need torch
-only. A flat copy makes its own pool and calls offload_layers, as README's "Use a piece in your
-own code" does on transformers' Qwen3ForCausalLM:
+only. A flat copy makes its own pool and calls offload_layers, as docs/pieces.md does on
+transformers' Qwen3ForCausalLM:
 
     from host_pool import HostPool                # model.host_pool inside this repository
     pool = HostPool(min_bytes=1 << 20)            # inputs of 1 MiB and more go to the host

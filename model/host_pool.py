@@ -1,7 +1,7 @@
 """Host pool: reusable pinned host blocks for tensors moved off the GPU, copied on side streams.
 
 To use it elsewhere: copy this file with model/checkpoint_offload.py; they need torch only (tqdm
-for reserve's progress bar). README's "Use a piece in your own code" shows them on Qwen3.
+for reserve's progress bar). docs/pieces.md shows them on transformers' Qwen3.
 
     pool = HostPool(min_bytes=1 << 20)
     pool.reserve(36, (1, T, hidden), torch.bfloat16, "cuda")  # every block now, before step 1

@@ -1,7 +1,7 @@
 """Tiled SwiGLU MLP: down(silu(gate(x)) * up(x)) over tiles of tokens, saving only its input.
 
-To use it elsewhere: copy this file alone; it needs torch only. README's "Use a piece in your own
-code" applies it to transformers' Qwen3ForCausalLM.
+To use it elsewhere: copy this file alone; it needs torch only. docs/pieces.md applies it to
+transformers' Qwen3ForCausalLM.
 
     y = tiled_mlp(x, w_gate, w_up, w_down, tile=8192)   # any SwiGLU, from its three weights
     set_mlp_tiling(layer.mlp, 8192)                     # in place: layer.mlp(x) now runs tiled

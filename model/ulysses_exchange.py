@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism: attention over a sequence split across sp processes, any model.
 
 To use it elsewhere: copy this file alone; it needs torch (and transformers for register_ulysses).
-README's "Use a piece in your own code" applies it to Qwen3ForCausalLM, with loss/chunked_ce.py
+docs/pieces.md applies it to transformers' Qwen3ForCausalLM, with loss/chunked_ce.py
 for that example's loss.
 
     model.set_attn_implementation(register_ulysses(group))   # a transformers model, sp = group

@@ -11,8 +11,8 @@
     peak_tflops(device), cuda_reserved_gb(device)   # the GPU's figures for mfu, reserved_gb
 
 Only rank 0 writes; on the other ranks every method is a no-op, so the loop needs no rank checks.
-The record's fields are listed in README ("metrics.jsonl"); a skipped step's non-finite loss and
-grad norm are written as null, because strict JSON readers (jq, JavaScript) have no NaN.
+The record's fields are listed in docs/outputs.md ("metrics.jsonl"); a skipped step's non-finite
+loss and grad norm are written as null, because strict JSON readers (jq, JavaScript) have no NaN.
 """
 
 from __future__ import annotations
