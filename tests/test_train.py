@@ -268,7 +268,7 @@ def test_demo_learns_across_shards(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1800,  # 33 s on an idle 2-core CPU, minutes on a busy one; it catches a hang
     )
     assert p.returncode == 0, p.stderr[-3000:]
     m = metrics(tmp_path / "demo")
