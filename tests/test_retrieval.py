@@ -276,7 +276,7 @@ def test_training_on_synthetic_passkey_takes_accuracy_from_chance_to_high(tmp_pa
     print(f"passkey accuracy: step 0 {first['accuracy']:.3f}, step 200 {last['accuracy']:.3f}")
     print(f"by depth at step 200 (0, 0.25, 0.5): {by_cell}")
     assert first["accuracy"] <= 0.2
-    assert last["accuracy"] >= 0.9
+    assert last["accuracy"] >= 0.9  # first reached at step 100 of 200 (seed 0, 1 thread)
     assert "eval passkey at step 200 | accuracy" in p.stdout
 
 
