@@ -53,7 +53,7 @@ from model.ulysses_exchange import document_segments
 from run.build import build_model, compute_dtype, log0, write_run_layout
 from run.checkpoint import DiskSpaceError, resume_from, rows_to_read, save_checkpoint
 from run.checks import CHOICES, EVAL_TASKS, check_run, open_run_dir
-from run.console import describe_run, fail, log0_outputs, summary_line
+from run.console import describe_rows, describe_run, fail, log0_outputs, summary_line
 from run.evaluate import evaluate_only, start_evaluation
 from run.export import export_final
 from run.flags import parse_flags
@@ -82,7 +82,8 @@ class TrainConfig:
     )
     data: str = arg(
         "synthetic:copy",
-        "pg19 | .txt/.jsonl/.parquet file or dir | tokens:FILE.npy | synthetic:copy|repeat|passkey",
+        "pg19 | .txt/.jsonl/.parquet file or dir (text, messages, or prompt + completion rows) | "
+        "tokens:FILE.npy | synthetic:copy|repeat|passkey",
     )
     seq_len: int = arg(
         1024, "tokens per row (each row holds seq_len + 1 ids: inputs and shifted labels)"
@@ -126,8 +127,9 @@ class TrainConfig:
     tile_mlp: int = arg(0, "tokens per MLP tile in forward and recompute; 0 = untiled")
     loss_chunk: int = arg(256, "rows per chunk of the cross-entropy")
     loss_on: str = arg(
-        "all",
-        "labels the loss counts; predictable: only those a synthetic source marks",
+        "auto",
+        "labels the loss counts; auto: text all, conversations the assistant's, prompt-completion "
+        "the completion's; predictable: only those a synthetic source marks",
         CHOICES["loss_on"],
     )
     eval_data: str = arg(
@@ -188,19 +190,24 @@ class TrainConfig:
     cache_dir: str = arg("", "token cache; empty: $QWEN3_1M_CACHE, else ~/.cache/qwen3-1m")
     eos_token: str = arg("", "separator between documents; empty: the tokenizer's eos token")
     documents: str = arg(
-        "stream",
+        "auto",
         "stream: a row is one sequence; masked: each end-of-text token ends a document "
-        "(attention within it, positions from 0, no label across)",
+        "(attention within it, positions from 0, no label across); auto: text stream, "
+        "conversations masked",
         CHOICES["documents"],
     )
     eos_id: int = arg(
         -1, "the end-of-text id for --documents masked; -1: the text source's --eos-token"
     )
     pack: str = arg(
-        "concat",
+        "auto",
         "text into rows: concat (end to end, cut at each row's end); best-fit (whole documents, "
-        "only longer ones cut, rows padded; needs --documents masked)",
+        "only longer ones cut, rows padded; needs --documents masked); auto: text concat, "
+        "conversations best-fit (a conversation longer than a row is left out, never cut)",
         CHOICES["pack"],
+    )
+    chat_template: str = arg(
+        "", "a .jinja file that renders conversations; empty: the tokenizer's chat template"
     )
     gpu_mem_gb: float = arg(
         0.0,
@@ -434,16 +441,16 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 class StepResult:
     loss: float  # mean over the step's counted labels on every rank
     grad_norm: float  # global, before clipping
-    tokens: int  # labels counted on every rank
+    tokens: int  # labels counted on every rank; 0: no loss (NaN), the weights left as they were
     skipped: bool  # loss or norm not finite: weights and AdamW state were left as they were
 
 
 def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]:
-    """This rank's slice of the next row; --loss-on predictable keeps only the labels a
-    synthetic source marks as predictable."""
+    """This rank's slice of the next row; --loss-on predictable, assistant or completion keeps
+    only the labels the source marks (synthetic sources' predictable ones, conversations' own)."""
     batch = next(loader)
     predictable = batch.pop("predictable", None)
-    if predictable is not None and loss_on == "predictable":
+    if predictable is not None and loss_on != "all":
         batch["labels"] = torch.where(predictable, batch["labels"], IGNORE)
     return batch
 
@@ -480,7 +487,8 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
         counts = [torch.tensor(b["labels"].numel()) for b in micro_batches]
     count = torch.stack(counts).sum().to(torch.float64)
     dist.all_reduce(count)
-    count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
+    counted = count.clone()  # 0: no label counts in this step's rows on any rank
+    count.clamp_(min=1)  # a step without labels has no loss: its gradient is 0, not NaN
     loss_sum = torch.zeros((), dtype=torch.float64, device=count.device)
     for batch in micro_batches:
         # doc_lens: the row's documents (--documents masked), attention within each
@@ -502,14 +510,16 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
     with host_threads(cfg.cpu_offload):
         norm = global_grad_norm(model, cfg.grad_clip)
         if values:  # one host read each
-            tokens = int(count.item())
-            loss, grad_norm = loss_sum.item() / tokens, float(norm)
+            tokens = int(counted.item())
+            loss, grad_norm = loss_sum.item() / max(tokens, 1), float(norm)
         else:
             tokens = sum(b["labels"].numel() for b in micro_batches)
             loss = grad_norm = math.nan
         # Loss and norm are the same on every rank, so every rank skips (or steps) together.
         skipped = values and not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if not skipped:
+        if values and tokens == 0:  # nothing to learn: no loss, and AdamW does not move
+            loss = math.nan
+        elif not skipped:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=skipped)
@@ -576,12 +586,10 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         pack=cfg.pack,
         key_digits=key_digits(cfg),
         progress=True,
+        chat_template=cfg.chat_template,
     )
-    if "padding_share" in getattr(rows, "meta", {}):  # --pack best-fit
-        log0(
-            f"data: best-fit packing, padding {rows.meta['padding_share']:.2%} of the rows' "
-            f"tokens, {rows.meta['documents_cut']} documents longer than a row cut"
-        )
+    if about_rows := describe_rows(getattr(rows, "meta", {})):
+        log0(about_rows)
 
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
     mesh = build_mesh(world, sp, device.type)

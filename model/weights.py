@@ -42,6 +42,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "generation_config.json",
     "added_tokens.json",
+    "chat_template.jinja",  # transformers writes the chat template here, not in the config
+    "chat_template.json",
 )
 
 
