@@ -32,13 +32,12 @@ when offloading); a recompute (store.begin(replaying=True)) gets them back inste
 kernel, and still rebuilds q, k, v (a few percent of the layer), so the attention backward gets
 (q, k, v, out, lse) as if nothing had been dropped. Nothing here imports torch.distributed.
 
-Documents (doc_lens): a row of several documents is causal within each. On CUDA ("varlen") one
-call of flash attention with cumulative lengths (aten._flash_attention_forward / _backward) takes
-every document of the row, per layer and direction: one kernel however many documents, no graph
-built per length, nothing kept per document. Elsewhere ("segments") the stream's kernel runs once
-per document, writing into one out and lse; a one-token document takes a closed form (out = v),
-as cuDNN's backward refuses s_q = s_kv = 1. Either way out and lse come back laid out as one
-call's, so attention once keeps one (out, lse) per layer as for a single sequence.
+Documents (doc_lens): causal within each document of the row. On CUDA ("varlen") one flash call
+with cumulative lengths (aten._flash_attention_forward / _backward) per layer and direction takes
+every document: no kernel, graph or kept state per document. Elsewhere ("segments") the stream's
+kernel runs once per document into one out and lse; a one-token document takes a closed form
+(out = v), as cuDNN's backward refuses s_q = s_kv = 1. Either way (out, lse) are laid out as one
+call's, so attention once keeps them as for a single sequence.
 """
 
 from __future__ import annotations
