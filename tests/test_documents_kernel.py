@@ -287,3 +287,46 @@ def test_one_token_documents_train_past_a_kernel_that_refuses_them():
         assert loss == pytest.approx((loss_sum / count).item(), rel=1e-6)
         for n, g in want.items():
             torch.testing.assert_close(grads[n], g, rtol=1e-6, atol=1e-7, msg=f"{name} {n}")
+
+
+# ---- choosing how documents run -------------------------------------------------------------
+def test_documents_are_probed_with_one_token_documents_and_refused_in_one_line(
+    flash_reference, monkeypatch
+):
+    """choose_documents_kernel as train.py runs it on a GPU (varlen first where flash takes the
+    heads; here documents_kernel is told so): varlen when its probe passes; segments, saying why,
+    when flash hands back an lse in another layout; the per-segment path past cuDNN's refusal of
+    one-token documents; one line when nothing runs."""
+    import functools
+
+    import model.attention_probe as ap
+
+    monkeypatch.setattr(ap, "documents_kernel", lambda *a: "varlen")
+    lens = ap.probe_documents(ap.PROBE_TOKENS)
+    assert sum(lens) == ap.PROBE_TOKENS and lens.count(1) >= 4 and lens[-1] == max(lens)
+    probe = functools.partial(ap.probe_documents_kernel, backend="math")
+    pick = functools.partial(ap.choose_documents_kernel, "cpu", torch.float32, CFG, 1200, 2)
+    assert pick("math", probe=probe).name == "varlen" and flash_reference.forwards == 1
+
+    real = flash_reference.forward
+
+    def padded_lse(*args, **kw):  # older flash: lse [documents, heads, longest]
+        out, lse, *rest = real(*args, **kw)
+        return (out, lse.new_zeros(len(args[3]) - 1, lse.shape[0], args[5]), *rest)
+
+    monkeypatch.setattr(aten, "_flash_attention_forward", padded_lse)
+    choice = pick("math", probe=probe)
+    assert choice.name == "segments"
+    assert choice.why.startswith("varlen: RuntimeError: flash attention's variable-length log")
+
+    monkeypatch.setattr(aten, "_scaled_dot_product_cudnn_attention", cudnn_stub_forward)
+    monkeypatch.setattr(aten, "_scaled_dot_product_cudnn_attention_backward", cudnn_stub_backward)
+    cudnn = functools.partial(ap.probe_documents_kernel, backend="cudnn")
+    assert pick("cudnn", probe=cudnn).name == "segments"
+    assert cudnn("segments", "cpu", torch.float32, 2, 1, 16, tokens=1200) is None
+
+    with pytest.raises(ValueError) as e:
+        pick("cudnn", probe=lambda name, *a, **k: f"{name} fails")
+    assert "\n" not in str(e.value) and "varlen: varlen fails; segments: segments fails" in str(
+        e.value
+    )
