@@ -14,6 +14,7 @@ sp 4, equal to transformers run on each document alone within 1e-6 (fp32).
 """
 
 import dataclasses
+import itertools
 
 import numpy as np
 import pytest
@@ -330,3 +331,32 @@ def test_documents_are_probed_with_one_token_documents_and_refused_in_one_line(
     assert "\n" not in str(e.value) and "varlen: varlen fails; segments: segments fails" in str(
         e.value
     )
+
+
+def test_the_plan_counts_what_the_varlen_call_keeps_until_backward(flash_reference):
+    """What the one call leaves on its autograd node for the backward (the cumulative lengths and
+    flash's rng state, each a CUDA allocator block of 512 bytes or more) is what the planner
+    counts per layer, Buffer.KEPT_DOCUMENTS, over every layer not yet in backward."""
+    from memory.buffers import CUDA_SMALLEST_BLOCK, Buffer, documents_state_bytes
+    from memory.plan import plan
+    from model.config import Qwen3Config
+
+    seq_len, doc_len = 8192, 1500
+    lens = (*[doc_len] * (seq_len // doc_len), seq_len % doc_len)
+    q, k, v = (torch.randn(1, seq_len, 1, 8, dtype=torch.float64) for _ in "qkv")
+    out = attention(q.requires_grad_(), k, v, backend="flash", doc_lens=lens, documents="varlen")
+    node = out.grad_fn.next_functions[0][0]  # attention()'s transpose, then the core's node
+    kept = [t for t in node.aux if isinstance(t, torch.Tensor)]
+    blocks = sum(max(-(-t.nbytes // CUDA_SMALLEST_BLOCK), 1) for t in kept)
+    assert kept[0].tolist() == [0, *itertools.accumulate(lens)]  # the cumulative lengths
+    per_layer = documents_state_bytes(seq_len, doc_len)
+    assert per_layer == blocks * CUDA_SMALLEST_BLOCK
+    c = Qwen3Config.preset("qwen3-8b")
+    kw = dict(gpus=8, sp=8, save_attention=True, device="cuda")
+    p = plan(c, seq_len, doc_len=doc_len, **kw)
+    counted = max(m.working.get(Buffer.KEPT_DOCUMENTS, 0) for m in p.moments)
+    assert counted == c.num_hidden_layers * per_layer
+    stream = plan(c, seq_len, **kw)  # the same moments, less the documents' blocks
+    for m, n in zip(p.moments, stream.moments, strict=True):
+        assert m.bytes - n.bytes == m.working.get(Buffer.KEPT_DOCUMENTS, 0)
+    assert documents_state_bytes(seq_len, doc_len, "cpu") == 0  # segments keep nothing
