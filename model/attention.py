@@ -518,6 +518,7 @@ def _segments(doc_lens) -> list[tuple[int, int]]:
     return bounds
 
 
+@functools.lru_cache(maxsize=64)  # attention() asks on every call with doc_lens when unpinned
 def documents_kernel(backend: str, device, dtype, nh: int, nkv: int, hd: int) -> str:
     """The documents kernel that goes with stream kernel `backend` when none is pinned: "varlen"
     (flash with cumulative lengths) on CUDA where torch's checks let flash run these shapes,
