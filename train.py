@@ -31,7 +31,7 @@ from run.signals import StopSignals
 STOP = StopSignals()
 if __name__ == "__main__":
     STOP.install()
-    # Expandable segments, and host blocks pinned by 8 register threads (run/allocator.py says
+    # Expandable segments, and host blocks pre-faulted by 8 threads (run/allocator.py says
     # why): read once, when CUDA initialises, so set before torch is imported; yours wins.
     set_allocator_settings()
 

@@ -41,6 +41,7 @@ class Buffer(str, Enum):
     LAYER_INPUT = "layer input (copied back from the host, or kept)"
     KEPT_INPUTS = "layer inputs kept on the device (layers not yet in backward)"
     KEPT_ATTENTION = "attention out and lse kept on the device (layers not yet in backward)"
+    KEPT_DOCUMENTS = "documents' cumulative lengths and flash's rng state (layers not in backward)"
     NEXT_INPUT = "next layer's input, prefetched from host"
     NEXT_ATTENTION = "next layer's attention out and lse, prefetched with its input"
     ROPE = "RoPE cos and sin (shared by all layers)"
@@ -90,6 +91,21 @@ class Buffer(str, Enum):
     MLP_FORWARD = "MLP act, up, product (one tile of them when tiled)"
     MLP_OUTPUT = "tiled MLP output and a tile's down projection"
     EVAL_LOSSES = "per-token losses and the counted rows' indices"
+
+
+CUDA_SMALLEST_BLOCK = 512  # bytes: torch's CUDA caching allocator rounds every tensor up to it
+
+
+def documents_state_bytes(seq_len: int, doc_len: int, device: str = "cuda") -> int:
+    """What one layer's attention keeps on a GPU until its backward for a row of documents of
+    doc_len (--documents masked; 0: a stream, nothing): the one flash call's int32 cumulative
+    lengths (documents + 1) and its rng state (two small tensors), each in its own allocator
+    block. The per-document path (CPU) keeps nothing. 11 documents: 1,536 bytes per layer."""
+    if doc_len <= 0 or device != "cuda":
+        return 0
+    documents = -(-seq_len // min(doc_len, seq_len))
+    blocks = -(-(documents + 1) * 4 // CUDA_SMALLEST_BLOCK)
+    return (blocks + 2) * CUDA_SMALLEST_BLOCK
 
 
 def attention_workspace(attn_backend: str) -> Buffer:

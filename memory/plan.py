@@ -39,6 +39,7 @@ import torch
 
 from memory.buffers import (
     Buffer,
+    documents_state_bytes,
     eval_loss_moments,
     layer_backward_moments,
     layer_forward_moments,
@@ -427,6 +428,7 @@ class _Kept:
 
     device_input: int
     device_attention: int
+    device_documents: int  # documents_state_bytes: the documents' lengths, whatever the placement
     host_input: int  # in the pool: copied out in forward, back one layer ahead in backward
     host_attention: int
     in_pool: bool  # the placement puts something on the host: the pool keeps a group for it
@@ -457,6 +459,7 @@ def _kept(c: Qwen3Config, seq_len: int, sp: int, o: Options, placements) -> tupl
             _Kept(
                 device_input=x - host_input,
                 device_attention=sum(attention) - sum(moved),
+                device_documents=documents_state_bytes(seq_len, o.doc_len, o.device),
                 host_input=host_input,
                 host_attention=sum(moved),
                 in_pool=p.on_host,
@@ -540,6 +543,7 @@ def _step_moments(
     on_device = {
         Buffer.KEPT_INPUTS: sum(k.device_input for k in kept),
         Buffer.KEPT_ATTENTION: sum(k.device_attention for k in kept),
+        Buffer.KEPT_DOCUMENTS: sum(k.device_documents for k in kept),
     }
     moments = []
     for name, working in loss.items():
@@ -561,12 +565,14 @@ def _step_moments(
     # the device-kept bytes of layers 0..i-1 at index i
     inputs_below = [0, *itertools.accumulate(k.device_input for k in kept)]
     attention_below = [0, *itertools.accumulate(k.device_attention for k in kept)]
+    documents_below = [0, *itertools.accumulate(k.device_documents for k in kept)]
     for i in _backward_layers(kept):
         gathered, fsdp = _fsdp_at_layer(c, o, u, i)
         fetched = next((k for k in reversed(kept[:i]) if k.in_pool), None)
         around = {
             Buffer.KEPT_INPUTS: inputs_below[i],
             Buffer.KEPT_ATTENTION: attention_below[i],
+            Buffer.KEPT_DOCUMENTS: documents_below[i],
             Buffer.NEXT_INPUT: fetched.host_input if fetched else 0,
             Buffer.NEXT_ATTENTION: fetched.host_attention if fetched else 0,
         }

@@ -405,7 +405,9 @@ def _phase(
 def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) -> StepTime:
     """The step of plan `p` on each of its GPUs, at `rates` (default: assumed_rates()); doc_len:
     rows of documents of that length (--documents masked), attention per document; 0: one
-    sequence per row; None: as the plan counts (its options.doc_len)."""
+    sequence per row; None: as the plan counts (its options.doc_len). A row of documents is
+    one attention kernel per layer and direction on a GPU (flash with cumulative lengths), so
+    its attention is timed as one kernel of the documents' FLOPs, with no cost per document."""
     r = rates or assumed_rates()
     c, lay, o = p.config, p.layout, p.options
     doc_len = o.doc_len if doc_len is None else doc_len

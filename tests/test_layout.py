@@ -244,11 +244,11 @@ def test_a_replay_is_coordinated_by_objects_not_module_globals():
     """What a checkpoint's recompute does differently (the attention store's hand-back, the tiled
     MLP's skipped tiles, the prefetch) travels in model/checkpoint_offload.py's LayerReplay and the
     objects it hands on, never through a module-level variable: of the three files only
-    attention.py rebinds one, the kernel set_backend pins for the process, which no other file
-    reads."""
+    attention.py rebinds two, the kernels set_backend and set_documents_kernel pin for the
+    process, which no other file reads."""
     rebound = {path: rebound_globals(path) for path in REPLAY_FILES}
     assert rebound == {
-        "model/attention.py": {"_PINNED"},
+        "model/attention.py": {"_PINNED", "_DOCUMENTS_PINNED"},
         "model/tiled_mlp.py": set(),
         "model/checkpoint_offload.py": set(),
     }, rebound
