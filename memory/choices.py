@@ -62,9 +62,11 @@ def documents_length(cfg) -> int:
 
 def run_pins(cfg) -> Pins:
     """What a run's flags fix of its layout: --cpu-offload / --no-cpu-offload, --save-attention /
-    --no-save-attention, --no-offload."""
+    --no-save-attention, --no-offload. LoRA pins the fp32 state to the GPU: it is small (the
+    adapters'), and the frozen weights have none to move."""
+    lora = getattr(cfg, "lora_rank", 0) > 0 or bool(getattr(cfg, "lora_from", ""))
     return Pins(
-        cpu_offload=getattr(cfg, "cpu_offload", None),
+        cpu_offload=False if lora else getattr(cfg, "cpu_offload", None),
         save_attention=getattr(cfg, "save_attention", None),
         offload=cfg.offload,
     )

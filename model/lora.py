@@ -52,7 +52,11 @@ __all__ = [
     "add_lora",
     "adapter_state",
     "init_lora",
+    "is_adapter_key",
+    "load_adapter",
     "merge_lora",
+    "merge_lora_sharded",
+    "read_adapter_config",
     "save_adapter",
     "trainable_names",
 ]
@@ -292,6 +296,29 @@ def load_adapter(model: nn.Module, path: str) -> None:
                 f"{tuple(params[name].shape)}"
             )
         _copy_full_(params[name], saved[key].float())
+
+
+def is_adapter_key(name: str) -> bool:
+    """Whether a state_dict key is an adapter's (lora_A or lora_B), not the base model's."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+@torch.no_grad()
+def merge_lora_sharded(model: nn.Module) -> None:
+    """Fold each adapter into its base weight in place (W += scale * B @ A) and zero B, so the
+    model computes the same and its base weights are the merged model. On plain or FSDP2
+    models: W [out, in] and B [out, rank] are split by the same rows, A is gathered (small)."""
+    for module in model.modules():
+        if not isinstance(module, LoraLinear):
+            continue
+        a = module.lora_A.weight
+        a_full = a.full_tensor() if hasattr(a, "full_tensor") else a
+        w, b = module.weight, module.lora_B.weight
+        w_local = w.to_local() if hasattr(w, "to_local") else w
+        b_local = b.to_local() if hasattr(b, "to_local") else b
+        delta = (b_local.float() @ a_full.float()) * module.scale
+        w_local.copy_((w_local.float() + delta).to(w_local.dtype))
+        b_local.zero_()
 
 
 @torch.no_grad()
