@@ -115,3 +115,58 @@ def test_first_step_matches_peft_on_every_layout(lora_setup):
         )
         assert m["loss"] == pytest.approx(loss, rel=1e-6)
         assert m["grad_norm"] == pytest.approx(norm, rel=1e-6)
+
+
+def _loss_on(model, row) -> float:
+    ids = torch.as_tensor(row, dtype=torch.long)[None]
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
+
+
+@pytest.mark.slow
+def test_resume_on_another_layout_and_the_files_load_in_peft_and_transformers(lora_setup):
+    """4 steps on 1 process (--lora-merge), against 2 steps on sp 2 resumed on 1 process: the
+    same losses; the checkpoint holds only the trainable tensors; the resumed run's adapter
+    through PeftModel.from_pretrained and the merged model through transformers both give the
+    held-out loss train.py measured after the last step, and the same logits."""
+    d = lora_setup
+    lora = ["--lora-rank", "4", "--lora-alpha", "16", "--lora-train", "norm"]
+    args = [*_common(d, d / "unused"), *lora, "--steps", "4", "--warmup-steps", "1"]
+    args = args[: args.index("--out")] + args[args.index("--out") + 2 :]
+    straight, resumed = d / "straight", d / "resumed"
+    run_train(1, *args, "--sp", "1", "--out", str(straight), "--lora-merge")
+    stop = ["--save-every", "2", "--stop-after", "2"]
+    run_train(2, *args, "--sp", "2", "--out", str(resumed), *stop)
+    ckpt = resumed / "checkpoints" / "step_000002"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    weights = sorted({k.split(".", 1)[1].rsplit(".", 1)[0] for k in keys if k.startswith("model.")})
+    frozen = [k for k in weights if not ("lora_" in k or k.endswith("norm"))]
+    assert weights and not frozen, frozen
+    run_train(1, *args, "--sp", "1", "--out", str(resumed), "--resume", "auto")
+
+    a = [m["loss"] for m in metrics(straight)]
+    b = [m["loss"] for m in metrics(resumed)]
+    print("straight", a, "\nresumed ", b)
+    assert len(a) == len(b) == 4
+    assert b == pytest.approx(a, rel=1e-6)
+    assert a[-1] < a[0]  # the adapters learned something
+
+    rows = np.load(d / "tokens.npy")
+    held_out = eval_records(resumed)[-1]["eval_loss"]
+    adapter = peft.PeftModel.from_pretrained(hf_model(CFG, seed=3), str(resumed / "final")).eval()
+    merged = transformers.Qwen3ForCausalLM.from_pretrained(
+        str(straight / "final"), torch_dtype=torch.float32
+    ).eval()
+    row = rows[4]  # the held-out row: after the 4 rows the run trained on
+    print(f"held-out loss: train.py {held_out:.7f}, PEFT {_loss_on(adapter, row):.7f}, merged "
+          f"{_loss_on(merged, row):.7f}")  # fmt: skip
+    assert _loss_on(adapter, row) == pytest.approx(held_out, rel=1e-6)
+    assert _loss_on(merged, row) == pytest.approx(held_out, rel=1e-6)
+    ids = torch.as_tensor(rows[:1, :64])
+    with torch.no_grad():
+        assert (adapter(ids).logits - merged(ids).logits).abs().max().item() <= 1e-5
+    config = json.loads((resumed / "final" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["modules_to_save"]) == (4, 16.0, ["norm"])
