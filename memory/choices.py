@@ -20,6 +20,7 @@ from memory.layouts import Candidate, LayoutChoice, Pins, choose_layout, read_la
 from memory.plan import Options, Plan, plan
 from memory.steptime import project
 from model.config import Qwen3Config
+from run.adapter import lora_spec
 
 
 def _run_options(
@@ -49,6 +50,7 @@ def _run_options(
         device=device,
         attn_backend=getattr(cfg, "attn_backend", "auto"),
         doc_len=documents_length(cfg),
+        lora=lora_spec(cfg) if hasattr(cfg, "lora_rank") else None,
         **({"reserve_gb": 0.0, "host_overhead_gb": 0.0} if cpu else {}),
     )
 

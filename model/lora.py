@@ -59,6 +59,7 @@ __all__ = [
     "read_adapter_config",
     "save_adapter",
     "trainable_names",
+    "trains_whole",
 ]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -117,7 +118,7 @@ class LoraLinear(nn.Linear):
         return f"{self.in_features}, {self.out_features}, rank={rank}, scale={self.scale:g}"
 
 
-def _trains_whole(name: str, spec: LoraSpec) -> bool:
+def trains_whole(name: str, spec: LoraSpec) -> bool:
     """PEFT's modules_to_save rule: the module's name ends with one of spec.train."""
     return any(name.endswith(t) for t in spec.train)
 
@@ -141,7 +142,7 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, base_dtype: torch.dtype | None
     if missing:
         raise ValueError(f"LoRA targets {missing} name no nn.Linear in {type(model).__name__}")
     trained = {
-        id(p) for n, m in model.named_modules() if _trains_whole(n, spec) for p in m.parameters()
+        id(p) for n, m in model.named_modules() if trains_whole(n, spec) for p in m.parameters()
     }
     adapters = {
         id(p)
