@@ -196,16 +196,21 @@ def step_flops(
     square = attention_square(T, doc_len)  # T^2 for one sequence
     attn = c.num_hidden_layers * 2 * (2.0 * square / 2) * c.num_attention_heads * c.head_dim
     model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn
+    dense_bwd, loss = 2 * dense, 3 * lm_head
     if lora is not None:
         adapters = sum(math.prod(s) for s in adapter_shapes(c, lora).values())
         adapter_fwd = 2.0 * adapters * c.num_hidden_layers * T
-        head_factor = 3 if trains("lm_head.weight", lora) else 2
-        model = 2 * dense + 3 * adapter_fwd + head_factor * lm_head + (1 + attn_bwd_factor) * attn
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        loss = (3 if trains(head, lora) else 2) * lm_head
+        dense_bwd = dense + 2 * adapter_fwd  # the frozen weights: their input's gradient only
         dense += adapter_fwd  # what a recompute runs again
+        model = dense + dense_bwd + loss + (1 + attn_bwd_factor) * attn
     return {
         "dense_fwd": dense,
         "lm_head_fwd": lm_head,
         "attention_fwd": attn,
+        "dense_bwd": dense_bwd,
+        "loss": loss,  # the loss's products, its weight's gradient included when it trains
         "model": model,
         "no_attn_recompute": model + dense,
         "full_recompute": model + dense + attn,
