@@ -629,7 +629,8 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         return path
 
     # MFU counts the model's FLOPs: no recomputation (ours is overhead), backward = 2x forward
-    per_row = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)
+    # (LoRA: 1x for the frozen weights, whose gradient products are skipped)
+    per_row = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0, lora=lora_spec(cfg))
     flops = per_row["model"] * cfg.grad_accum * dp
     guard = NonFiniteGuard(cfg.max_bad_steps)
     log = StepLog(

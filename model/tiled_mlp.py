@@ -16,12 +16,9 @@ at 131,072 tokens and tile 16,384). The price: the replay computes the gate and 
 once more, 14 MLP GEMMs instead of 12 under checkpointing (11 where the recompute skips its
 tiles, below; under 1% of a 1M-token step either way, where attention dominates). Weights are
 Function inputs, so autograd delivers their grads to whatever parameters the MLP holds (FSDP2's
-unsharded ones included); autocast, if on, is replayed in backward as it was in forward.
-A weight that needs no gradient (a frozen base weight) gets no weight-gradient GEMM.
-
-LoRA: a projection with a `low_rank()` method (model/lora.py's LoraLinear) is run as
-x W^T + scale * B (A dropout(x)) inside the tiles, and its A and B get their gradients; dropout's
-masks are replayed in backward from the RNG state the forward started at.
+unsharded ones included); autocast, if on, is replayed in backward as it was in forward. A frozen
+weight gets no gradient GEMM; a projection with low_rank() (LoRA, model/lora.py) adds its adapter
+in the tiles, replaying dropout's masks in backward from the forward's RNG state.
 
 In a checkpoint's recompute only what the MLP saves is needed (its input; the weights are
 parameters), and the layer's recomputed output is thrown away: called with output_unused=True
