@@ -170,3 +170,26 @@ def test_resume_on_another_layout_and_the_files_load_in_peft_and_transformers(lo
         assert (adapter(ids).logits - merged(ids).logits).abs().max().item() <= 1e-5
     config = json.loads((resumed / "final" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["modules_to_save"]) == (4, 16.0, ["norm"])
+
+
+def test_lora_flags_refused_in_one_line(tmp_path):
+    """Each bad LoRA combination is a ConfigError (train.py: one line, exit 2) before anything
+    is read."""
+    import train
+    from model.config import ConfigError
+    from run.adapter import check_lora
+
+    tied = CFG.__class__(**{**CFG.__dict__, "tie_word_embeddings": True})
+    cases = [
+        (["--lora-rank", "8", "--cpu-offload"], CFG, "--cpu-offload with LoRA buys nothing"),
+        (["--lora-rank", "8", "--lora-targets", "q,x"], CFG, "x is not one of"),
+        (["--lora-rank", "8", "--lora-train", "bias"], CFG, "bias is not one of"),
+        (["--lora-merge"], CFG, "--lora-merge merges an adapter"),
+        (["--lora-from", str(tmp_path)], CFG, "no adapter_config.json there"),
+        (["--lora-rank", "8", "--lora-train", "embed"], tied, "ties its embedding"),
+    ]
+    for flags, config, words in cases:
+        with pytest.raises(ConfigError, match=words) as e:
+            check_lora(train.parse_args(flags), config)
+        assert "\n" not in str(e.value)
+    check_lora(train.parse_args(["--lora-rank", "8", "--lora-train", "embed,norm,head"]), CFG)
