@@ -132,9 +132,10 @@ def lora_beside_full(cfg, mc, world: int, sp: int, dp: int, rates=None) -> list[
         "fits",
     ]
     head = f"LoRA rank {spec.rank}" + (f" + {','.join(spec.train)}" if spec.train else "")
-    lines = [f"{'full fine-tuning vs LoRA (' + this + ')':38}{'full fine-tuning':>20}{head:>24}"]
+    title = f"full fine-tuning vs LoRA ({this})"
+    lines = [f"{title:42}{'full fine-tuning':>18}{head:>24}"]
     for name, full, lora in zip(names, *columns, strict=True):
-        lines.append(f"  {name:36}{full:>20}{lora:>24}")
+        lines.append(f"  {name:40}{full:>18}{lora:>24}")
     lines.append("  (projected from memory/steptime.py's rates, not measured)")
     return lines
 
