@@ -193,3 +193,26 @@ def test_lora_flags_refused_in_one_line(tmp_path):
             check_lora(train.parse_args(flags), config)
         assert "\n" not in str(e.value)
     check_lora(train.parse_args(["--lora-rank", "8", "--lora-train", "embed,norm,head"]), CFG)
+
+
+def test_dry_run_plans_32b_lora_without_the_cpu_optimizer(capsys, monkeypatch):
+    """Qwen3-32B at 1,048,576 tokens on 8 x 80 GB: full fine-tuning needs the fp32 state in host
+    memory, LoRA keeps it on the GPU and fits; the dry run prints both, step times beside."""
+    import train
+
+    for var in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    train.main(
+        ["--preset", "qwen3-8b-1m", "--model", "qwen3-32b", "--lora-rank", "16", "--dry-run"]
+    )
+    out = capsys.readouterr().out
+    table = out[out.index("full fine-tuning vs LoRA (this run)") :].splitlines()
+    rows = {line[:42].strip(): line[42:].split("  ") for line in table[1:8]}
+    cells = {k: [c.strip() for c in v if c.strip()] for k, v in rows.items()}
+    print("\n".join(table[:9]))
+    assert cells["fp32 state and AdamW on"] == ["CPU (host memory)", "GPU"]
+    assert cells["fits"] == ["fits", "fits"]
+    full_s, lora_s = (float(c.removesuffix(" s")) for c in cells["step time, projected"])
+    assert 0 < lora_s < full_s
+    assert "LoRA rank 16 on" in out  # the plan itself is LoRA's
