@@ -56,6 +56,11 @@ Kept free on the GPU besides the peak: the CUDA context and NCCL's buffers (CUDA
 NCCL_GB_PER_COMMUNICATOR: projected, outside torch's allocator) and reserve_gb of allocator slack.
 With attn_backend="flash", its backward's GQA expansion of dk and dv is counted too.
 
+LoRA (Options.lora, model/lora.py): the frozen weights' shards in the compute dtype with no
+gradient or AdamW state, the adapters' fp32 shards, gradients and AdamW states, their gradients
+in the layer's moments, no lm_head gradient unless it trains, and layer 0's input on the device
+under a frozen embedding (it needs no grad, so the pool does not move it).
+
 FLOPs count matrix products only (memory/model_size.py's step_flops). Nothing is allocated: every
 size is arithmetic on the config. GB here means 1e9 bytes, GiB 2**30.
 """

@@ -26,12 +26,11 @@ frozen linear (only x's gradient is computed through it). The adapters and `trai
 fp32, the masters the optimizer updates.
 
 Under FSDP2 (fully_shard after add_lora, init_lora after materialising): frozen and trainable
-parameters may share one unit; torch checks a unit's original dtype over its trainable
-parameters only, and gathers mixed dtypes as bytes, so bf16 frozen weights and fp32 adapters
-sit together; with a bf16 param_dtype both are gathered in bf16. Frozen parameters get no
-gradient and so no reduce-scatter. A tiled MLP (model/tiled_mlp.py) reads each projection's
-low_rank() and runs the adapters inside its tiles; checkpointing needs preserve_rng_state=True
-only when dropout is on.
+parameters share one unit. torch (2.8 on) asks for one original dtype among a unit's trainable
+parameters only, so bf16 frozen weights sit beside fp32 adapters; with a bf16 param_dtype all
+are gathered in bf16. Frozen parameters get no gradient and so no reduce-scatter. A tiled MLP
+(model/tiled_mlp.py) reads each projection's low_rank() and runs the adapters inside its tiles;
+checkpointing needs preserve_rng_state=True only when dropout is on.
 """
 
 from __future__ import annotations
