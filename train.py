@@ -23,6 +23,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from run.adapter import export_lora, lora_spec
 from run.allocator import set_allocator_settings
 from run.signals import StopSignals
 
@@ -222,6 +223,23 @@ class TrainConfig:
         "fp32 shards, grads, AdamW states in host memory; AdamW on the CPU (-15 GB/GPU); "
         "unset: the layout chooses",
     )
+    # LoRA (model/lora.py, run/adapter.py; docs/lora.md): frozen base weights, small adapters
+    lora_rank: int = arg(0, "LoRA rank; 0: full fine-tuning (every weight trains)")
+    lora_alpha: float = arg(8.0, "LoRA alpha: the adapters are scaled by alpha / rank (PEFT's)")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input")
+    lora_targets: str = arg(
+        "q,k,v,o,gate,up,down", "the linear layers that get adapters (comma-separated)"
+    )
+    lora_train: str = arg(
+        "", "whole tensors that train too, from embed,norm,head (PEFT's modules_to_save)"
+    )
+    lora_rslora: bool = arg(False, "scale the adapters by alpha / sqrt(rank) (rsLoRA)")
+    lora_merge: bool = arg(
+        False, "OUT/final: the merged model in the Hugging Face layout, not the adapter"
+    )
+    lora_from: str = arg(
+        "", "start from this PEFT adapter directory (training or --eval-only); its config decides"
+    )
     layout: str = arg(
         "auto",
         "where each layer's saved tensors wait: auto (the fastest layout that fits the GPU and "
@@ -386,9 +404,11 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    # Matrices and embeddings are decayed; norms' weights are not.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    # Matrices and embeddings are decayed; norms' weights are not. Frozen weights (LoRA's base)
+    # have no optimizer state.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -617,7 +637,8 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         return path
 
     # MFU counts the model's FLOPs: no recomputation (ours is overhead), backward = 2x forward
-    per_row = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)
+    # (LoRA: 1x for the frozen weights, whose gradient products are skipped)
+    per_row = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0, lora=lora_spec(cfg))
     flops = per_row["model"] * cfg.grad_accum * dp
     guard = NonFiniteGuard(cfg.max_bad_steps)
     log = StepLog(
@@ -698,7 +719,15 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
     if cfg.save_every:
         checkpoint(cfg.steps)
     final = os.path.join(cfg.out, "final")
-    if cfg.save_final:
+    spec = lora_spec(cfg)
+    if cfg.save_final and spec is not None:  # PEFT's adapter directory, or --lora-merge's model
+        save_dtype = getattr(torch, cfg.save_dtype)
+        export_lora(
+            model, cfg, spec, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0
+        )
+        what = "merged model, Hugging Face layout" if cfg.lora_merge else "PEFT adapter"
+        log0(f"saved {final} ({what})")
+    elif cfg.save_final:
         save_dtype = getattr(torch, cfg.save_dtype)
         export_final(model, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0)
         log0(f"saved {final} (Hugging Face layout)")

@@ -189,6 +189,7 @@ def layer_backward_moments(
     device: str = "cuda",
     norm_chunk: int = RMSNORM_CHUNK_ELEMS,
     attn_backend: str = "cudnn",
+    lora_adapters: tuple[int, int] | None = None,
 ) -> dict[str, dict[Buffer, int]]:
     """The activation bytes of one recomputed decoder layer's backward at its four moments.
 
@@ -209,6 +210,9 @@ def layer_backward_moments(
         partial results of the last expression, live together at its final product).
     The all-to-all's staging copies (3 q-sized buffers around one exchange) and a tile's bf16
     weight-gradient products come at moments that hold less than these.
+    lora_adapters (LoRA: the layer's adapter elements, and its MLP's): the frozen weights make no
+    gradient, so the layer's own gradients are the adapters' (counted whole at every moment)
+    and the tiled MLP accumulates only its adapters' in fp32.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd, nh = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads
@@ -227,8 +231,9 @@ def layer_backward_moments(
             # 7 x [tile, intermediate]: the tile's gate, up, act = silu(gate) and product =
             # act * up (4), and the gradients of product, act and up (3)
             Buffer.MLP_TILE: 7 * min(mlp_tile, t) * inter * b,
-            # 3 fp32 (4-byte) accumulators, one per weight: gate_proj, up_proj, down_proj
-            Buffer.MLP_WEIGHT_GRAD_ACC: 3 * H * inter * 4,
+            # 3 fp32 (4-byte) accumulators, one per weight: gate_proj, up_proj, down_proj; under
+            # LoRA only the adapters' accumulators
+            Buffer.MLP_WEIGHT_GRAD_ACC: (lora_adapters[1] if lora_adapters else 3 * H * inter) * 4,
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
         }
     else:  # the product itself is freed at its backward; gate, up and act are counted here
@@ -261,30 +266,33 @@ def layer_backward_moments(
     # weight's gradient (3 x HI: gate_proj, up_proj, down_proj); HQ: o_proj's. Tiled, the MLP's
     # weight gradients are in the fp32 accumulators until its backward ends.
     HI, HQ = H * inter * b, H * nh * hd * b
+    grads = [0 if tiled_mlp else HI, 3 * HI, 3 * HI + HQ, 3 * HI + HQ]
+    if lora_adapters is not None:
+        grads = [lora_adapters[0] * b] * 4
     return {
         "MLP backward": {
             **io,
             **_saved_through(saved, Buffer.MLP_INPUT),
             **mlp,
-            Buffer.LAYER_GRADS: 0 if tiled_mlp else HI,
+            Buffer.LAYER_GRADS: grads[0],
         },
         "post-attention norm backward": {
             **io,
             **_saved_through(saved, Buffer.POST_NORM),
             **post,
-            Buffer.LAYER_GRADS: 3 * HI,
+            Buffer.LAYER_GRADS: grads[1],
         },
         "attention backward": {
             **io,
             **_saved_through(saved, Buffer.ATTN_LSE),
             **attn,
-            Buffer.LAYER_GRADS: 3 * HI + HQ,
+            Buffer.LAYER_GRADS: grads[2],
         },
         "q/k norm backward": {
             **io,
             **_saved_through(saved, Buffer.QK_NORMS),
             **qk,
-            Buffer.LAYER_GRADS: 3 * HI + HQ,
+            Buffer.LAYER_GRADS: grads[3],
         },
     }
 
@@ -413,6 +421,7 @@ def loss_moments(
     fused_norm: bool = True,
     compute_bytes: int = 2,
     device: str = "cuda",
+    head_grad: bool = True,
 ) -> dict[str, dict[Buffer, int]]:
     """The chunked loss's tensors (loss/chunked_ce.py) at its two largest moments.
 
@@ -423,7 +432,7 @@ def loss_moments(
     temporaries: the chunk's logits [chunk, V] before their upcast, and the [V, H] product added
     into the accumulator; one is freed before the other is made. "loss backward": the accumulator
     and its cast to the weight's dtype, the hidden gradient and its scaled copy (train.py drops
-    the hidden states).
+    the hidden states). head_grad=False (a frozen lm_head, LoRA): no accumulator, no cast.
     """
     c, b = config, compute_bytes
     V, H = c.vocab_size, c.hidden_size
@@ -432,20 +441,20 @@ def loss_moments(
     # fp32 logits and log-probabilities (4 + 4 bytes per vocabulary entry), bf16 p (b)
     chunk = rows * V * (8 + (b if low else 0))
     if low and not fused:
-        chunk += max(rows * V * b, V * H * b)
+        chunk += max(rows * V * b, V * H * b if head_grad else 0)
     norm = _norm_saved(tokens, H, b, fused_norm, input_elsewhere=False)
     return {
         "loss forward": {
             Buffer.FINAL_NORM: norm,
             Buffer.HIDDEN: X,
             Buffer.HIDDEN_GRAD: X,
-            Buffer.LM_HEAD_GRAD_ACC: V * H * 4,  # fp32
+            Buffer.LM_HEAD_GRAD_ACC: V * H * 4 if head_grad else 0,  # fp32
             Buffer.LOSS_CHUNK: chunk,
         },
         "loss backward": {
             Buffer.FINAL_NORM: norm,
-            Buffer.LM_HEAD_GRAD_ACC: V * H * 4,
-            Buffer.LM_HEAD_GRAD: V * H * b,
+            Buffer.LM_HEAD_GRAD_ACC: V * H * 4 if head_grad else 0,
+            Buffer.LM_HEAD_GRAD: V * H * b if head_grad else 0,
             Buffer.HIDDEN_GRAD_SCALED: 2 * X,  # the gradient and its scaled copy
         },
     }

@@ -26,6 +26,11 @@ CPU offload's cost, and what is kept free on the GPU outside torch's allocator (
 NCCL's buffers and reserve_gb). Which layers keep their attention, and where, is a layout
 (Options.placements, one LayerPlacement per layer), which memory/layouts.py chooses.
 
+LoRA (Options.lora, model/lora.py): the frozen weights' shards in the compute dtype with no
+gradient or AdamW state, the adapters' fp32 shards, gradients and AdamW states, their gradients
+in the layer's moments, no lm_head gradient unless it trains, and layer 0's input on the device
+under a frozen embedding (it needs no grad, so the pool does not move it).
+
 FLOPs count matrix products only (memory/model_size.py's step_flops). Nothing is allocated: every
 size is arithmetic on the config. GB here means 1e9 bytes, GiB 2**30.
 """
@@ -33,6 +38,7 @@ size is arithmetic on the config. GB here means 1e9 bytes, GiB 2**30.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -47,11 +53,13 @@ from memory.buffers import (
 )
 from memory.model_size import (
     FsdpUnits,
+    adapter_shapes,
     fsdp_units,
     host_pinned_bytes,
     param_shapes,
     shard_numel,
     step_flops,
+    trains,
 )
 from model.checkpoint_offload import (
     LayerPlacement,
@@ -60,6 +68,7 @@ from model.checkpoint_offload import (
 )
 from model.config import Qwen3Config
 from model.host_pool import host_bytes_for
+from model.lora import LoraSpec
 from model.parallel import layout_problem
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
 
@@ -124,6 +133,9 @@ class Options:
     tflops: float = 989.0  # dense bf16 TFLOP/s per GPU (H100 SXM)
     mfu: float = 1.0  # the fraction of tflops the times assume; 1.0 gives the floor
     attn_bwd_factor: float = 2.5  # attention's backward FLOPs over its forward's
+    # LoRA (model/lora.py): base weights frozen in compute_bytes, with no gradient or AdamW state;
+    # None: full fine-tuning
+    lora: LoraSpec | None = None
     # --documents masked: rows of documents of this length, attention within each (its FLOPs the
     # sum of the documents' squares); 0: one sequence per row
     doc_len: int = 0
@@ -131,6 +143,8 @@ class Options:
     model: str | None = None  # the model's name in the table
 
     def __post_init__(self):
+        if isinstance(self.lora, dict):  # dataclasses.asdict of an Options, given back
+            object.__setattr__(self, "lora", LoraSpec(**self.lora))
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         for name in ("loss_chunk", "compute_bytes", "master_bytes", "tflops"):
@@ -498,9 +512,10 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[di
     before's reduce-scatter output on its way out (CPU: both no-ops).
     """
     L, tied, b = c.num_hidden_layers, c.tie_word_embeddings, o.compute_bytes
-    head_shards = 0 if tied else u.emb_shard + u.norm_shard
-    before = u.layer_gathered if i < L - 1 else (0 if tied else u.head_gathered)
+    tied_grad = tied and trains("model.embed_tokens.weight", o.lora)
     staged = u.layer_shard if o.cpu_offload and o.device == "cuda" else 0
+    head_shards = 0 if tied else u.head_grad_shard  # what trains of it (LoRA: maybe nothing)
+    before = u.layer_grad_gathered if i < L - 1 else (0 if tied else u.head_grad_gathered)
     gathered = {
         Buffer.GATHERED_LAYER: u.layer_gathered * b,
         Buffer.NEXT_UNIT: u.layer_gathered * b if i > 0 else (0 if tied else u.emb_gathered * b),
@@ -508,12 +523,21 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[di
     }
     working = {
         Buffer.REDUCE_SCATTER_INPUT: before * o.master_bytes,
-        Buffer.GRAD_SHARDS: 0 if o.cpu_offload else (L - 1 - i) * u.layer_shard + head_shards,
-        Buffer.TIED_EMBEDDING_GRAD: c.vocab_size * c.hidden_size * b if tied else 0,
+        Buffer.GRAD_SHARDS: 0 if o.cpu_offload else (L - 1 - i) * u.layer_grad_shard + head_shards,
+        Buffer.TIED_EMBEDDING_GRAD: c.vocab_size * c.hidden_size * b if tied_grad else 0,
         Buffer.STAGED_SHARDS: staged,
         Buffer.STAGED_GRADS: staged,
     }
     return gathered, working
+
+
+def _adapter_elements(c: Qwen3Config, lora: LoraSpec | None) -> tuple[int, int] | None:
+    """(a layer's adapter elements, its MLP adapters' elements); None in full fine-tuning."""
+    if lora is None:
+        return None
+    shapes = adapter_shapes(c, lora)
+    mlp = sum(math.prod(s) for k, s in shapes.items() if k.startswith("mlp."))
+    return sum(math.prod(s) for s in shapes.values()), mlp
 
 
 def _step_moments(
@@ -528,6 +552,7 @@ def _step_moments(
     the layers below it, and the host group of the nearest layer below it that has one: the pool
     fetches it one layer ahead (layer 0 comes last: nothing is left to fetch).
     """
+    head_weight = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     loss = loss_moments(
         c,
         t,
@@ -535,6 +560,7 @@ def _step_moments(
         fused_norm=o.fused_norm,
         compute_bytes=o.compute_bytes,
         device=o.device,
+        head_grad=trains(head_weight, o.lora),
     )
     head = {
         Buffer.GATHERED_HEAD: u.emb_gathered * o.compute_bytes,
@@ -561,6 +587,7 @@ def _step_moments(
         device=o.device,
         norm_chunk=o.norm_chunk,
         attn_backend=o.attn_backend,
+        lora_adapters=_adapter_elements(c, o.lora),
     )
     # the device-kept bytes of layers 0..i-1 at index i
     inputs_below = [0, *itertools.accumulate(k.device_input for k in kept)]
@@ -670,7 +697,9 @@ def _cpu_offload_cost(c: Qwen3Config, layout: Layout, o: Options, u: FsdpUnits) 
 
 def _flops(c: Qwen3Config, seq_len: int, layout: Layout, o: Options, placements) -> Flops:
     """A layer that keeps its attention skips attention's forward in its recompute."""
-    per_row = step_flops(c, seq_len, attn_bwd_factor=o.attn_bwd_factor, doc_len=o.doc_len)
+    per_row = step_flops(
+        c, seq_len, attn_bwd_factor=o.attn_bwd_factor, doc_len=o.doc_len, lora=o.lora
+    )
     dp, rate = layout.dp, layout.gpus * o.tflops * 1e12 * o.mfu
     recomputed = sum(p.attention == "recompute" for p in placements) / c.num_hidden_layers
     run = dp * (per_row["no_attn_recompute"] + recomputed * per_row["attention_fwd"])
@@ -710,6 +739,10 @@ def plan(
         placements = default_placements(L, save_attention=o.save_attention, offload=o.offload)
     if len(placements) != L:
         raise ValueError(f"placements: {len(placements)} for {L} decoder layers (one each)")
+    if o.lora is not None and not trains("model.embed_tokens.weight", o.lora):
+        # a frozen embedding's output needs no grad, so the pool leaves layer 0's input where
+        # the checkpoint saved it (model/checkpoint_offload.py): on the device
+        placements = [replace(placements[0], input="device"), *placements[1:]]
     o = replace(
         o,
         tiled_mlp=not untiled,
@@ -721,8 +754,8 @@ def plan(
     )
     layout = Layout(gpus, sp, dp, gpus_per_node or min(gpus, 8))
     t = seq_len // sp
-    u = fsdp_units(config, gpus, o.master_bytes)
-    state = ShardedState(u.all_shards, u.all_shards, 2 * u.all_shards)
+    u = fsdp_units(config, gpus, o.master_bytes, o.lora, o.compute_bytes)
+    state = ShardedState(u.all_shards, u.trainable_shards, 2 * u.trainable_shards)
     held = Held(
         param_shards=0 if o.cpu_offload else state.params,
         adamw_states=0 if o.cpu_offload else state.adamw,

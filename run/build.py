@@ -67,6 +67,7 @@ from model.checkpoint_offload import apply_offload, offloaded_tensors
 from model.config import ConfigError
 from model.parallel import GROUP_TIMEOUT, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention
+from run.adapter import lora_spec
 
 
 def log0(*args) -> None:
@@ -102,11 +103,14 @@ def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
             f"shorter --seq-len"
         )
     log_attention(cfg, mc, sp, dtype, backend, planned)
+    spec = lora_spec(cfg)
     pool = apply_offload(
         model,
         min_bytes=cfg.offload_min_bytes,
         tile_mlp=cfg.tile_mlp or None,
         placements=list(planned.placements),
+        # LoRA's dropout draws random numbers: the recompute must draw the same ones
+        preserve_rng_state=spec is not None and spec.dropout > 0,
     )
     if any(p.on_host for p in planned.placements):
         with fake_mode or contextlib.nullcontext():
@@ -136,6 +140,8 @@ def sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode=None):
         cpu_offload=cfg.cpu_offload,
         seed=cfg.seed,
         fake_mode=fake_mode,
+        lora=lora_spec(cfg),
+        adapter_dir=cfg.lora_from or None,
     )
     if fake_mode is not None:
         loaded = "fake tensors, nothing loaded"

@@ -23,6 +23,7 @@ import os
 from data.synthetic import MIN_SEQ_LEN
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError, Qwen3Config
+from run.adapter import check_lora
 from run.checkpoint import problem as checkpoint_problem
 from run.host_memory import host_memory_bytes
 from run.rundir import (
@@ -90,6 +91,9 @@ def _rules(c) -> list[tuple[str, bool, str]]:
             "0 (keep all) or a positive count, such as 2",
         ),
         ("max_bad_steps", c.max_bad_steps >= 1, "a positive count, such as 3"),
+        ("lora_rank", getattr(c, "lora_rank", 0) >= 0, "0 (full fine-tuning) or a rank, like 16"),
+        ("lora_alpha", 0 < getattr(c, "lora_alpha", 1) < INF, "positive, such as 16"),
+        ("lora_dropout", 0 <= getattr(c, "lora_dropout", 0) < 1, "in [0, 1), such as 0.05"),
         ("eval_rows", c.eval_rows >= 1, "a positive number of rows, such as 1"),
         (
             "eval_every",
@@ -633,6 +637,8 @@ def check_run(cfg, world: int, local_world: int, *, download: bool = False):
     check_flags(cfg)
     origin = agree_on_host_memory(cfg, origin)
     mc, model_dir = resolve_model(cfg, download=download)
+    if hasattr(cfg, "lora_rank"):
+        check_lora(cfg, mc)
     if mc is None:  # an unknown hub id before its download: what needs its config waits for it
         return None, None, cfg.sp or local_world, world // (cfg.sp or local_world)
     sp, dp = check_layout(cfg, mc, world, local_world)

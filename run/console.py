@@ -107,7 +107,13 @@ def log0_outputs(cfg, log, final: str) -> None:
     )
     if cfg.save_every:
         outputs += ", checkpoints/ (--resume auto)"
-    if cfg.save_final:
+    lora = getattr(cfg, "lora_rank", 0) > 0 or bool(getattr(cfg, "lora_from", ""))
+    if cfg.save_final and lora and not cfg.lora_merge:
+        outputs += (
+            f'; load the adapter with PeftModel.from_pretrained(base_model, "{final}") '
+            f"(docs/lora.md)"
+        )
+    elif cfg.save_final:
         outputs += f'; load the model with AutoModelForCausalLM.from_pretrained("{final}")'
     log0(outputs)
 
