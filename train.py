@@ -23,7 +23,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from run.adapter import export_lora, lora_spec
 from run.allocator import set_allocator_settings
 from run.signals import StopSignals
 
@@ -51,6 +50,7 @@ from model.attention import BACKENDS
 from model.config import ConfigError
 from model.parallel import GROUP_TIMEOUT, build_mesh
 from model.ulysses_exchange import document_segments
+from run.adapter import export_lora, lora_spec
 from run.build import build_model, compute_dtype, log0, write_run_layout
 from run.checkpoint import DiskSpaceError, resume_from, rows_to_read, save_checkpoint
 from run.checks import CHOICES, EVAL_TASKS, check_run, open_run_dir
