@@ -26,6 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from model.moe import expert_pieces, split_experts
+
 try:  # DTensor is what FSDP2 parameters are; plain models never need it
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -121,12 +123,19 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> L
     sources = {name: name for name in targets}
     if tied and "lm_head.weight" not in where:
         sources["lm_head.weight"] = "model.embed_tokens.weight"  # tied files omit lm_head
-    missing = sorted(n for n, src in sources.items() if src not in where)
-    unexpected = sorted(k for k in where if k not in targets)
+    # Stacked experts from one tensor per expert (model/moe.py), unless the file stacks them too.
+    pieces = {n: expert_pieces(n, targets[n].shape) for n in targets if n not in where}
+    pieces = {n: p for n, p in pieces.items() if p is not None}
+    wanted = {n: (src, tuple(targets[n].shape)) for n, src in sources.items() if n not in pieces}
+    for n, parts in pieces.items():
+        for key, _, rows in parts:
+            wanted[key] = (key, (rows.stop - rows.start, *targets[n].shape[2:]))
+    missing = sorted(n for n, (src, _) in wanted.items() if src not in where)
+    unexpected = sorted(k for k in where if k not in wanted and k not in targets)
     misshaped = [
-        f"{n}: checkpoint {shapes[src]} vs model {tuple(targets[n].shape)}"
-        for n, src in sources.items()
-        if src in shapes and shapes[src] != tuple(targets[n].shape)
+        f"{n}: checkpoint {shapes[src]} vs model {shape}"
+        for n, (src, shape) in wanted.items()
+        if src in shapes and shapes[src] != shape
     ]
     if missing or unexpected or misshaped:
         lines = [f"checkpoint {path!r} does not match the model ({type(model).__name__}):"]
@@ -145,21 +154,30 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> L
         raise ValueError("\n".join(lines))
 
     # Read file by file so each file is opened once; each tensor only in the rows we own.
-    by_file: dict[str, list[str]] = {}
+    # file -> [(parameter, checkpoint key, None or (expert, rows of its block))]
+    by_file: dict[str, list[tuple[str, str, tuple | None]]] = {}
     done: set[int] = set()  # tied names share one parameter: fill it once
     for name, src in sources.items():
-        if id(targets[name]) not in done:
+        if name in pieces:
+            owned = _owned_rows(targets[name]) or (0, targets[name].shape[0])
+            for key, e, rows in pieces[name]:
+                if owned[0] <= e < owned[1]:  # this rank's experts only
+                    by_file.setdefault(where[key], []).append((name, key, (e - owned[0], rows)))
+        elif id(targets[name]) not in done:
             done.add(id(targets[name]))
-            by_file.setdefault(where[src], []).append(name)
+            by_file.setdefault(where[src], []).append((name, src, None))
     bar = _progress(sum(len(v) for v in by_file.values()), progress, "loading weights")
     with torch.no_grad():
         for file, names in by_file.items():
             with safe_open(file, framework="pt") as f:
-                for name in names:
+                for name, key, piece in names:
                     t = targets[name]
                     local = t.to_local() if isinstance(t, DTensor) else t
                     rows = _owned_rows(t)
-                    sl = f.get_slice(sources[name])
+                    sl = f.get_slice(key)
+                    if piece is not None:  # one expert's projection, into its block of rows
+                        local = local[piece[0], piece[1]]
+                        rows = None
                     data = sl[:] if rows is None else sl[rows[0] : rows[1]]
                     if data.shape != local.shape:  # the rows we computed must be FSDP2's shard
                         raise RuntimeError(
@@ -222,8 +240,9 @@ def save_safetensors(
                 t = params[name]
                 full = t.full_tensor() if isinstance(t, DTensor) else t  # collective for DTensors
                 if rank == 0:  # cast where the tensor is (GPU), then copy the smaller result
-                    tensors[name] = full.detach().to(dtype).to("cpu").contiguous()
-                    total += tensors[name].numel() * tensors[name].element_size()
+                    for key, piece in split_experts(name, full.detach().to(dtype).to("cpu")):
+                        tensors[key] = piece.contiguous()  # stacked experts: one tensor each
+                        total += piece.numel() * piece.element_size()
                 del full
                 bar.update(1)
             if rank == 0:

@@ -1,0 +1,152 @@
+"""The mixture-of-experts block and model against transformers' Qwen3MoeSparseMoeBlock and
+Qwen3MoeForCausalLM: logits, gradients, the router loss, loading and saving."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from hf_ref import hf_model, save_hf
+from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+from model.config import Qwen3Config
+from model.moe import SparseMoeBlock, router_loss
+from model.qwen3 import Qwen3
+from model.weights import load_safetensors, save_safetensors
+
+# 6 experts, top-4 and renormalised, layer 1 dense by mlp_only_layers.
+MOE = replace(
+    Qwen3Config.preset("tiny"),
+    num_hidden_layers=3,
+    num_experts=6,
+    num_experts_per_tok=4,
+    moe_intermediate_size=24,
+    norm_topk_prob=True,
+    mlp_only_layers=(1,),
+)
+VARIANTS = {
+    "top4-norm-dense1": MOE,
+    "top2-raw-step2": replace(
+        MOE, num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2, mlp_only_layers=()
+    ),
+}
+
+
+def _blocks(model):
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+@pytest.mark.parametrize("top_k, norm", [(2, False), (2, True), (4, True), (4, False)])
+def test_block_equals_transformers(top_k, norm):
+    """Outputs and every gradient equal Qwen3MoeSparseMoeBlock's, with tiles smaller than an
+    expert's tokens (several matrix products per expert, several router tiles)."""
+    c = transformers.Qwen3MoeConfig(
+        hidden_size=32,
+        moe_intermediate_size=16,
+        num_experts=6,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+    )
+    torch.manual_seed(0)
+    ref = modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(c).float()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ours = SparseMoeBlock(32, 16, 6, top_k, norm, tile=5)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 17, 32)
+    dy = torch.randn(2, 17, 32)
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yr, yo = ref(xr), ours(xo)
+    assert (yr - yo).abs().max().item() <= 1e-5
+    names = [n for n, _ in ref.named_parameters()]
+    mine = dict(ours.named_parameters())
+    gr = torch.autograd.grad(yr, [xr, *ref.parameters()], dy)
+    go = torch.autograd.grad(yo, [xo, *(mine[n] for n in names)], dy)
+    for a, b in zip(gr, go, strict=True):
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
+    assert ours.stats.counts.sum().item() == 2 * 17 * top_k
+
+
+def test_block_saves_only_its_input_and_skips_in_a_recompute():
+    ours = SparseMoeBlock(32, 16, 6, 2, True, tile=4)
+    for p in ours.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(1, 40, 32, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ours(x)
+    assert saved[0] is x and sum(t.numel() for t in saved) == x.numel() + sum(
+        p.numel() for p in ours.parameters()
+    )
+    before = ours.stats
+    with ours.skipping():
+        assert not ours(x).any()
+    assert ours.stats is before  # a recompute leaves the forward's statistics
+
+
+def _load_ours(ref, tmp_path):
+    save_hf(ref, str(tmp_path), max_shard_size="20KB")
+    ours = Qwen3(Qwen3Config.from_hf(str(tmp_path)))
+    stats = load_safetensors(ours, str(tmp_path), progress=False)
+    assert stats.bytes_read == stats.checkpoint_bytes
+    return ours
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_model_logits_and_gradients_equal_transformers(name, tmp_path):
+    cfg = VARIANTS[name]
+    ref = hf_model(cfg).train()
+    ours = _load_ours(ref, tmp_path)
+    assert Qwen3Config.from_hf(str(tmp_path)) == cfg
+    kinds = [type(layer.mlp).__name__ for layer in ours.model.layers]
+    assert kinds == [type(layer.mlp).__name__.replace("Qwen3Moe", "") for layer in ref.model.layers]
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    labels = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    lr, lo = ref(ids).logits, ours.logits(ids)
+    assert (lr - lo).abs().max().item() <= 1e-5
+    for logits in (lr, lo):
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    ref_params = dict(ref.named_parameters())
+    for n, p in ours.named_parameters():
+        g = ref_params[n].grad
+        assert (p.grad - g).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), n
+
+
+def test_router_loss_equals_transformers(tmp_path):
+    """The router loss and its gradients: transformers' loss with output_router_logits on
+    against ours with router_loss, one process over both rows."""
+    cfg = replace(MOE, norm_topk_prob=False)
+    ref = hf_model(cfg).train()
+    ours = _load_ours(ref, tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(3))
+    coef = 0.3  # large, so the router's gradient is mostly the loss's
+    ref.config.router_aux_loss_coef = ref.router_aux_loss_coef = coef
+    out = ref(ids, labels=ids, output_router_logits=True)  # it shifts the labels inside
+    logits = ours.logits(ids)
+    aux, load = router_loss(_blocks(ours), coef)
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert abs((ce + aux).item() - out.loss.item()) <= 1e-6
+    assert abs(aux.item() - coef * out.aux_loss.item()) <= 1e-7
+    assert load.shape == (cfg.sparse_layers,) and (load >= 1).all()
+    out.loss.backward()
+    (ce + aux).backward()
+    ref_params = dict(ref.named_parameters())
+    for n, p in ours.named_parameters():
+        g = ref_params[n].grad
+        assert (p.grad - g).abs().max().item() <= 1e-5 * max(1.0, g.abs().max().item()), n
+
+
+def test_export_loads_in_transformers(tmp_path):
+    torch.manual_seed(0)
+    ours = Qwen3(MOE)
+    ours.init_weights(seed=3)
+    save_safetensors(ours, str(tmp_path), dtype=torch.float32, progress=False)
+    ref = transformers.Qwen3MoeForCausalLM.from_pretrained(str(tmp_path)).float().eval()
+    ids = torch.randint(0, MOE.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (ref(ids).logits - ours.logits(ids)).abs().max().item() <= 1e-5
+    again = Qwen3(MOE)
+    load_safetensors(again, str(tmp_path), progress=False)  # our own export reads back
+    for (n, a), b in zip(ours.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), n
