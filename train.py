@@ -48,6 +48,7 @@ from memory.model_size import step_flops
 from memory.snapshot import cuda_memory_history
 from model.attention import BACKENDS
 from model.config import ConfigError
+from model.moe import SparseMoeBlock, router_loss
 from model.parallel import GROUP_TIMEOUT, build_mesh
 from model.ulysses_exchange import document_segments
 from run.build import build_model, compute_dtype, log0, write_run_layout
@@ -69,10 +70,12 @@ IGNORE = -100  # the label the loss skips (padding, and --loss-on predictable's 
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
-def arg(default, help: str, choices: tuple | None = None, repeat: bool = False):
+def arg(default, help: str, choices: tuple | None = None, repeat: bool = False, bare=None):
     """A TrainConfig field with its line of `train.py -h` (and its choices, when it has some);
-    repeat: the flag may be given several times, its values joined by commas."""
-    return field(default=default, metadata={"help": help, "choices": choices, "repeat": repeat})
+    repeat: the flag may be given several times, its values joined by commas; bare: the value
+    of the flag given alone."""
+    meta = {"help": help, "choices": choices, "repeat": repeat, "bare": bare}
+    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -123,7 +126,15 @@ class TrainConfig:
         "attention kernel; auto: cudnn else flash on CUDA, cpu_flash on CPU",
         ("auto", *BACKENDS),
     )
-    tile_mlp: int = arg(0, "tokens per MLP tile in forward and recompute; 0 = untiled")
+    tile_mlp: int = arg(
+        0, "tokens per MLP tile (MoE: token-expert pairs per expert product); 0 = untiled"
+    )
+    router_aux_loss: float = arg(
+        0.0,
+        "MoE: add the router's load-balancing loss x this coefficient, over the whole step's "
+        "tokens; given alone (or negative): the config's router_aux_loss_coef; 0: off",
+        bare=-1.0,
+    )
     loss_chunk: int = arg(256, "rows per chunk of the cross-entropy")
     loss_on: str = arg(
         "all",
@@ -436,6 +447,7 @@ class StepResult:
     grad_norm: float  # global, before clipping
     tokens: int  # labels counted on every rank
     skipped: bool  # loss or norm not finite: weights and AdamW state were left as they were
+    router: dict | None = None  # MoE: router_aux_loss and the experts' load (router_record)
 
 
 def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]:
@@ -464,6 +476,34 @@ def model_flops(per_row: dict, loader: RowLoader, rows: int) -> float:
     return total
 
 
+def router_coef(cfg: TrainConfig, model) -> float:
+    """--router-aux-loss: the coefficient given, or the model config's when negative; 0: off."""
+    if cfg.router_aux_loss < 0:
+        return model.config.router_aux_loss_coef
+    return cfg.router_aux_loss
+
+
+def router_step(model, cfg: TrainConfig, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """After a micro-batch's forward, for a mixture of experts: the router loss x scale (the
+    loss's gradient set for backward) and each sparse layer's load, from every rank's
+    statistics (model/moe.py's router_loss); None for a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return None
+    return router_loss(blocks, router_coef(cfg, model) * scale, sum_ranks=dist.all_reduce)
+
+
+def router_record(aux: torch.Tensor, load: torch.Tensor) -> dict:
+    """The step record's MoE fields: the router loss (in the record's loss too) and the tokens
+    of each sparse layer's busiest expert over the mean, and the worst layer's."""
+    per_layer = [round(x, 4) for x in load.tolist()]
+    return {
+        "router_aux_loss": aux.item(),
+        "expert_load": per_layer,
+        "expert_load_max": max(per_layer),
+    }
+
+
 def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) -> StepResult:
     """One optimizer step over `micro_batches` (this rank's slices of grad_accum rows).
 
@@ -482,9 +522,15 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
     dist.all_reduce(count)
     count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
     loss_sum = torch.zeros((), dtype=torch.float64, device=count.device)
+    aux_sum, load = torch.zeros((), dtype=torch.float64, device=count.device), None
     for batch in micro_batches:
         # doc_lens: the row's documents (--documents masked), attention within each
         hidden = model(batch["input_ids"], batch["position_ids"], batch.get("doc_lens"))
+        # MoE: the router loss of this micro-batch's rows on every rank, its gradient set for
+        # backward; with --grad-accum the step's is the micro-batches' mean.
+        if (routed := router_step(model, cfg, 1 / len(micro_batches))) is not None:
+            aux_sum += routed[0].double()
+            load = routed[1] if load is None else torch.maximum(load, routed[1])
         micro_loss = chunked_cross_entropy(
             hidden.flatten(0, 1),  # [T/sp, hidden]
             model.lm_head.weight,
@@ -503,7 +549,7 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
         norm = global_grad_norm(model, cfg.grad_clip)
         if values:  # one host read each
             tokens = int(count.item())
-            loss, grad_norm = loss_sum.item() / tokens, float(norm)
+            loss, grad_norm = loss_sum.item() / tokens + aux_sum.item(), float(norm)
         else:
             tokens = sum(b["labels"].numel() for b in micro_batches)
             loss = grad_norm = math.nan
@@ -512,7 +558,8 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
         if not skipped:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=skipped)
+    router = router_record(aux_sum, load) if load is not None and values else None
+    return StepResult(loss, grad_norm, tokens, skipped, router)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ already keeps nothing of a layer but its inputs, on the host. What each addition
     recompute skips attention's forward (~96% of a layer's FLOPs at a million tokens).
   * a tiled MLP (tile_mlp) skips its tile loop in the recompute: only its saved input is needed
     there (model/tiled_mlp.py's output_unused): 11 MLP GEMMs per layer a step instead of 14.
+    A mixture-of-experts block (model/moe.py) skips its experts in every recompute the same way.
   * one LayerReplay per layer call holds what a recompute does differently (the prefetch, the
     attention store, the tiled MLP's skip), in the order it does it; no module-level state.
 Why not torch's selective activation checkpointing (SAC) for attention: SAC decides per op
@@ -285,11 +286,11 @@ class _OffloadedForward:
                 store.keep, store.fetch = functools.partial(_keep_on_host, pool), pool.unpack
         # nothing of this layer's in the pool: its recompute starts the nearest earlier one's
         prefetch = pool.prefetcher() if pool is not None and not place.on_host else None
-        mlp = None
-        if self.tiled_mlp:
+        mlp = getattr(self.layer, "mlp", None)
+        if not hasattr(mlp, "skipping"):  # a MoE block (model/moe.py) skips in any recompute
             from model.tiled_mlp import mlp_tiling
 
-            mlp = mlp_tiling(self.layer.mlp)
+            mlp = mlp_tiling(mlp) if self.tiled_mlp else None
         attention = getattr(self.layer, "self_attn", None)
         body = LayerReplay(self.body, attention=attention, store=store, mlp=mlp, prefetch=prefetch)
         if prefetch is not None or pool is None:
@@ -363,7 +364,10 @@ def offload_layer(
             )
         from model.tiled_mlp import set_mlp_tiling
 
-        set_mlp_tiling(layer.mlp, tile_mlp)
+        if hasattr(layer.mlp, "set_tiling"):  # a MoE block: pairs per expert product
+            layer.mlp.set_tiling(tile_mlp)
+        else:
+            set_mlp_tiling(layer.mlp, tile_mlp)
     layer.forward = _OffloadedForward(
         layer, pool, preserve_rng_state, placement, tiled_mlp=tile_mlp is not None
     )

@@ -562,6 +562,10 @@ def check_run(cfg, world: int, local_world: int, *, download: bool = False):
     if mc is None:  # an unknown hub id before its download: what needs its config waits for it
         return None, None, cfg.sp or local_world, world // (cfg.sp or local_world)
     sp, dp = check_layout(cfg, mc, world, local_world)
+    if getattr(cfg, "router_aux_loss", 0) and not mc.num_experts:
+        raise ConfigError(
+            f"--router-aux-loss: {cfg.model} is a dense Qwen3 with no router; drop the flag"
+        )
     random_init = model_dir is None and cfg.model in MODEL_PRESETS
     check_data(cfg, mc, model_dir, random_init, cfg.steps * cfg.grad_accum * dp)
     check_eval(cfg, mc, model_dir, random_init, dp)

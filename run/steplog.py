@@ -170,6 +170,7 @@ class StepLog:
             "mfu": mfu,
             "skipped": result.skipped,
             "nonfinite_steps": self.guard.total,
+            **(getattr(result, "router", None) or {}),  # MoE: router loss, experts' load
         }
 
     def console_line(self, rec: dict, offloaded_bytes: int | None) -> str:

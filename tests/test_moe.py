@@ -150,3 +150,114 @@ def test_export_loads_in_transformers(tmp_path):
     load_safetensors(again, str(tmp_path), progress=False)  # our own export reads back
     for (n, a), b in zip(ours.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
+
+
+# ---- train.py end to end: one step against transformers, resumed on another layout ----------
+TRAIN_CFG = replace(
+    Qwen3Config(
+        vocab_size=211,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        bos_token_id=None,
+        eos_token_id=None,
+    ),
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    mlp_only_layers=(2,),
+)
+COEF = 0.05  # the router loss's weight in the runs that add it
+
+
+def _ref_step(ref, rows, coef: float) -> tuple[float, float]:
+    """transformers: mean cross-entropy over every label of the rows plus coef x its router
+    loss (load_balancing_loss_func over every row and layer), and the gradient norm."""
+    ref.zero_grad()
+    ids = torch.as_tensor(rows, dtype=torch.long)
+    out = ref(ids[:, :-1], output_router_logits=True)
+    loss = F.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten())
+    loss = loss + coef * out.aux_loss
+    loss.backward()
+    norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
+    return loss.item(), norm.item()
+
+
+@pytest.mark.slow
+def test_train_matches_transformers_on_every_layout_and_resumes_on_another(tmp_path):
+    import numpy as np
+    from dist_utils import run_train
+    from test_train import _common, metrics
+
+    ref = hf_model(TRAIN_CFG, seed=3).train()
+    save_hf(ref, str(tmp_path / "model"))
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, TRAIN_CFG.vocab_size, size=(8, 65), dtype=np.int64)
+    np.save(tmp_path / "tokens.npy", rows)
+    aux = ["--router-aux-loss", str(COEF)]
+    runs = {  # name: (processes, extra flags, rows per step, router loss coefficient)
+        "1proc": (1, ["--sp", "1", "--steps", "2", *aux], 1, COEF),
+        # step 1 of 2, then stops with a checkpoint that sp4-resumed continues from
+        "sp2": (
+            2,
+            [
+                "--sp",
+                "2",
+                "--offload",
+                "--tile-mlp",
+                "16",
+                *aux,
+                "--steps",
+                "2",
+                "--save-every",
+                "1",
+                "--stop-after",
+                "1",
+            ],
+            1,
+            COEF,
+        ),
+        "dp2xsp2": (4, ["--sp", "2"], 2, 0.0),
+    }
+    for name, (n, extra, nrows, coef) in runs.items():
+        out = tmp_path / name
+        run_train(n, *_common(tmp_path, out), *extra)
+        m = metrics(out)[0]
+        loss, norm = _ref_step(ref, rows[:nrows], coef)
+        print(
+            f"{name}: loss {m['loss']:.7f} ({loss:.7f}), "
+            f"grad_norm {m['grad_norm']:.7f} ({norm:.7f})"
+        )
+        assert m["loss"] == pytest.approx(loss, rel=1e-6, abs=1e-6)
+        assert m["grad_norm"] == pytest.approx(norm, rel=1e-6, abs=1e-6)
+        assert len(m["expert_load"]) == TRAIN_CFG.sparse_layers
+        assert m["expert_load_max"] == max(m["expert_load"]) >= 1
+    # the sp2 run's checkpoint, resumed on 4 ranks (sp 4: kv heads repeated)
+    run_train(
+        4,
+        *_common(tmp_path, tmp_path / "sp2"),
+        "--sp",
+        "4",
+        *aux,
+        "--steps",
+        "2",
+        "--resume",
+        "auto",
+    )
+    straight, resumed = metrics(tmp_path / "1proc"), metrics(tmp_path / "sp2")
+    print("straight", [m["loss"] for m in straight], "resumed", [m["loss"] for m in resumed])
+    assert [m["step"] for m in resumed] == [1, 2]
+    for a, b in zip(straight, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    # the export of 4 ranks (6 experts sharded 2, 2, 2, 0) loads in transformers
+    final = str(tmp_path / "dp2xsp2" / "final")
+    back = transformers.Qwen3MoeForCausalLM.from_pretrained(final, dtype=torch.float32)
+    ours = Qwen3(Qwen3Config.from_hf(final))
+    load_safetensors(ours, final, progress=False)
+    ids = torch.as_tensor(rows[:1, :64])
+    with torch.no_grad():
+        assert (back(ids).logits - ours.logits(ids)).abs().max().item() <= 1e-5
