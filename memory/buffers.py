@@ -18,6 +18,7 @@ from enum import Enum
 
 from model.attention import backward_workspace_bytes
 from model.config import Qwen3Config
+from model.moe import TILE as MOE_TILE
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
 
 
@@ -58,6 +59,11 @@ class Buffer(str, Enum):
     FLASH_GQA_GRADS = "FlashAttention dk, dv expanded to the query heads [T, heads/sp, hd]"
     QKV_GRAD = "dq, dk, dv [t, heads, hd]"
     LAYER_GRADS = "this layer's unsharded gradients so far"
+    # a mixture-of-experts layer (model/moe.py) in place of the MLP
+    MOE_ROUTING = "MoE routing: the chosen experts and weights, pairs sorted by expert"
+    MOE_ROUTER = "MoE router logits and fp32 probabilities [t, experts]"
+    MOE_TILE = "MoE tile: its tokens, gate/up, act, product, output (+ their gradients)"
+    MOE_WEIGHT_GRAD_ACC = "MoE fp32 weight-gradient accumulators of one expert (3 x H x I, x2)"
     # FSDP2
     GATHERED_LAYER = "gathered layer (bf16)"
     NEXT_UNIT = "next unit, prefetched"
@@ -144,8 +150,24 @@ def layer_saved_bytes(
         Buffer.O_PROJ_INPUT: Q if sp > 1 else 0,
         Buffer.POST_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=False),
         Buffer.MLP_INPUT: X,
-        Buffer.MLP_INTERMEDIATES: 0 if tiled_mlp else 4 * t * inter * b,
+        Buffer.MLP_INTERMEDIATES: 0 if tiled_mlp or c.num_experts else 4 * t * inter * b,
     }
+
+
+def _moe_tile(c: Qwen3Config, tokens: int, tile: int, b: int, backward: bool) -> int:
+    """Bytes of one tile of model/moe.py's expert loop: at most `tile` token-expert pairs, their
+    gathered tokens, gate/up, act and product, the output (and in backward the output
+    gradient, its weighted copy and the gradients of each), and the pairs' int64 indices."""
+    rows = min(tile or MOE_TILE, tokens * c.num_experts_per_tok)  # untiled: the block's own
+    H, inter = c.hidden_size, c.moe_intermediate_size
+    per_row = (5 * H + 7 * inter) if backward else (2 * H + 4 * inter)
+    return rows * (per_row * b + 8)
+
+
+def _moe_routing(c: Qwen3Config, tokens: int, b: int) -> int:
+    """The routing held through the expert loop: each token's top-k weights (compute dtype)
+    and experts (int64), the pairs' order (int64) and, in backward, their fp32 gradients."""
+    return tokens * c.num_experts_per_tok * (b + 8 + 8 + 4)
 
 
 def _saved_through(saved: dict[Buffer, int], last: Buffer) -> dict[Buffer, int]:
@@ -200,7 +222,17 @@ def layer_backward_moments(
         Buffer.NEXT_INPUT: X if offload else 0,
         Buffer.ROPE: 2 * t * hd * b,
     }
-    if tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
+    if c.num_experts:  # model/moe.py: the experts' loop, its stacked gradients made up front
+        moe = c.moe_intermediate_size
+        mlp = {
+            Buffer.OUTPUT_GRAD: X,
+            Buffer.MOE_ROUTING: _moe_routing(c, t, b),
+            Buffer.MOE_TILE: _moe_tile(c, t, mlp_tile, b, backward=True),
+            Buffer.MOE_WEIGHT_GRAD_ACC: 2 * 3 * H * moe * 4,
+            Buffer.MLP_INPUT_GRAD_BUFFER: X,
+        }
+        inter = c.num_experts * moe  # the layer's MLP gradients: every expert's
+    elif tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
         mlp = {
             Buffer.OUTPUT_GRAD: X,
             Buffer.MLP_TILE: 7 * min(mlp_tile, t) * inter * b,
@@ -237,7 +269,7 @@ def layer_backward_moments(
             **io,
             **_saved_through(saved, Buffer.MLP_INPUT),
             **mlp,
-            Buffer.LAYER_GRADS: 0 if tiled_mlp else HI,
+            Buffer.LAYER_GRADS: 3 * HI if c.num_experts else 0 if tiled_mlp else HI,
         },
         "post-attention norm backward": {
             **io,
@@ -292,6 +324,17 @@ def layer_forward_moments(
     K = t * max(c.num_key_value_heads, sp) * hd * b  # k or v at SDPA, one repeated head if sp > nkv
     Kl = t * c.num_key_value_heads * hd * b  # k or v before the exchange, [t, nkv, hd]
     rows = min(mlp_tile, t) if tiled_mlp else t
+    mlp = {
+        Buffer.MLP_FORWARD: 3 * rows * inter * b,
+        Buffer.MLP_OUTPUT: X + rows * H * b if tiled_mlp else 0,
+    }
+    if c.num_experts:  # model/moe.py: the router's [t, E] first, then the loop over experts
+        mlp = {
+            Buffer.MOE_ROUTER: t * c.num_experts * (b + 4),
+            Buffer.MOE_ROUTING: _moe_routing(c, t, b),
+            Buffer.MOE_TILE: _moe_tile(c, t, mlp_tile, b, backward=False),
+            Buffer.MLP_OUTPUT: X,
+        }
     # RMSNorm's forward per element of a chunk: its square, then the normalised rows (fp32
     # inputs: one at a time); for bf16 also the fp32 upcast the two are made from, and the cast.
     # Per row: the fp32 1/rms of every row, and of the chunk's rows.
@@ -328,8 +371,7 @@ def layer_forward_moments(
             **io,
             Buffer.RESIDUAL: X,
             Buffer.POST_NORM: X,
-            Buffer.MLP_FORWARD: 3 * rows * inter * b,
-            Buffer.MLP_OUTPUT: X + rows * H * b if tiled_mlp else 0,
+            **mlp,
         },
     }
 

@@ -50,6 +50,7 @@ __all__ = [
 
 # A stacked parameter's name ends -> the per-expert projections stacked in it, in row order:
 # what checkpoints hold (experts.{e}.gate_proj.weight ...) and save_pretrained writes.
+TILE = 16384  # token-expert pairs per expert product unless set_tiling says (--tile-mlp)
 STACKED = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
 
 
@@ -122,7 +123,7 @@ class _RoutedExperts(torch.autograd.Function):
         need_x, need_r, need_gu, need_d = ctx.needs_input_grad[:4]
         x2, go2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, x.shape[-1])
         with torch.no_grad():
-            weights, experts, _ = route(x2, w_router, block.top_k, block.norm_topk_prob)
+            weights, experts = route(x2, w_router, block.top_k, block.norm_topk_prob)[:2]
         k, flat_weights = block.top_k, weights.reshape(-1)
         dx = torch.zeros_like(x2)
         d_weights = torch.zeros(flat_weights.shape, dtype=torch.float32, device=x.device)
@@ -210,7 +211,7 @@ class SparseMoeBlock(nn.Module):
         experts: int,
         top_k: int,
         norm_topk_prob: bool,
-        tile: int = 16384,
+        tile: int = TILE,
     ):
         super().__init__()
         if not 1 <= top_k <= experts:
