@@ -155,10 +155,14 @@ def layer_saved_bytes(
 
 
 def _moe_tile(c: Qwen3Config, tokens: int, tile: int, b: int, backward: bool) -> int:
-    """Bytes of one tile of model/moe.py's expert loop: at most `tile` token-expert pairs, their
-    gathered tokens, gate/up, act and product, the output (and in backward the output
-    gradient, its weighted copy and the gradients of each), and the pairs' int64 indices."""
-    rows = min(tile or MOE_TILE, tokens * c.num_experts_per_tok)  # untiled: the block's own
+    """Bytes of one tile of model/moe.py's expert loop: one expert's token-expert pairs, at most
+    `tile` of them (untiled: the block's own tile), their gathered tokens, gate/up, act and
+    product, the output (and in backward the output gradient, its weighted copy and the
+    gradients of each), and the pairs' int64 indices. An expert's pairs are counted at an even
+    spread over the experts, what a load-balanced router gives (and what a rehearsal takes); a
+    busier expert's tile is larger, up to min(tile, tokens) rows."""
+    even = -(-tokens * c.num_experts_per_tok // c.num_experts)
+    rows = min(tile or MOE_TILE, even)
     H, inter = c.hidden_size, c.moe_intermediate_size
     per_row = (5 * H + 7 * inter) if backward else (2 * H + 4 * inter)
     return rows * (per_row * b + 8)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor  # a rehearsal's tensors: shapes, no values
 
 __all__ = [
     "Experts",
@@ -75,12 +76,28 @@ def route(x2: torch.Tensor, w_router: torch.Tensor, top_k: int, norm_topk_prob: 
     return top.to(logits.dtype), experts, probs
 
 
+def _expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Token-expert pairs per expert, [num_experts] int64 (a fixed shape, unlike bincount's)."""
+    flat = experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.index_add_(0, flat, torch.ones_like(flat))
+
+
+def _host_counts(counts: torch.Tensor, pairs: int) -> list[int]:
+    """The counts as ints: one host read. Fake tensors (train.py --rehearse) have no values: the
+    pairs are taken as spread evenly, the balance a load-balanced router aims at."""
+    if isinstance(counts, FakeTensor):
+        per, rest = divmod(pairs, counts.shape[0])
+        return [per + (e < rest) for e in range(counts.shape[0])]
+    return counts.tolist()
+
+
 def _expert_tiles(experts: torch.Tensor, num_experts: int, tile: int):
     """(expert, pair indices) per tile: pairs p = token x top_k + slot, sorted by expert, each
     expert's in pieces of at most `tile`. One host read of the counts per call."""
     flat = experts.reshape(-1)  # [N x k]
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = _host_counts(_expert_counts(flat, num_experts), flat.numel())
     start = 0
     for e, n in enumerate(counts):
         for s in range(start, start + n, tile):
@@ -103,7 +120,7 @@ class _RoutedExperts(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
         weights, experts, probs = route(x2, w_router, block.top_k, block.norm_topk_prob)
         block.stats = RoutingStats(
-            counts=torch.bincount(experts.reshape(-1), minlength=block.num_experts).float(),
+            counts=_expert_counts(experts, block.num_experts).float(),
             prob_sums=probs.sum(0),
             tokens=x2.shape[0],
         )
