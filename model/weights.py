@@ -6,7 +6,10 @@
 load_safetensors(model, path): every tensor is read lazily through safe_open's get_slice, and
 only the rows this process owns: for an FSDP2 parameter (a DTensor sharded on dim 0) that is its
 shard's rows, for a plain tensor all of them. No process reads a whole file or a tensor it does
-not own. Keys, shapes and missing tensors are checked first and reported together.
+not own. Keys, shapes and missing tensors are checked first and reported together. A mixture of
+experts' stacked parameters (model/moe.py) are read from one tensor per expert and projection,
+this rank's experts only, and written back the same way (what save_pretrained writes and every
+transformers release reads); a file that stacks them is read as it is.
 
 save_safetensors(model, path): parameters are gathered one at a time (never the whole model on one
 device), rank 0 writes bf16 shards of at most 5 GB, an index, and config.json, which
@@ -154,18 +157,7 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> L
         raise ValueError("\n".join(lines))
 
     # Read file by file so each file is opened once; each tensor only in the rows we own.
-    # file -> [(parameter, checkpoint key, None or (expert, rows of its block))]
-    by_file: dict[str, list[tuple[str, str, tuple | None]]] = {}
-    done: set[int] = set()  # tied names share one parameter: fill it once
-    for name, src in sources.items():
-        if name in pieces:
-            owned = _owned_rows(targets[name]) or (0, targets[name].shape[0])
-            for key, e, rows in pieces[name]:
-                if owned[0] <= e < owned[1]:  # this rank's experts only
-                    by_file.setdefault(where[key], []).append((name, key, (e - owned[0], rows)))
-        elif id(targets[name]) not in done:
-            done.add(id(targets[name]))
-            by_file.setdefault(where[src], []).append((name, src, None))
+    by_file = _reads_by_file(targets, sources, pieces, where)
     bar = _progress(sum(len(v) for v in by_file.values()), progress, "loading weights")
     with torch.no_grad():
         for file, names in by_file.items():
@@ -190,6 +182,26 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> L
                     bar.update(1)
     bar.close()
     return stats
+
+
+def _reads_by_file(
+    targets, sources, pieces, where
+) -> dict[str, list[tuple[str, str, tuple | None]]]:
+    """file -> [(parameter, checkpoint key, None or (this rank's expert, rows of its block))]:
+    every tensor once (tied names share one parameter), a stacked expert parameter's pieces for
+    this rank's experts only."""
+    by_file: dict[str, list[tuple[str, str, tuple | None]]] = {}
+    done: set[int] = set()
+    for name, src in sources.items():
+        if name in pieces:
+            owned = _owned_rows(targets[name]) or (0, targets[name].shape[0])
+            for key, e, rows in pieces[name]:
+                if owned[0] <= e < owned[1]:
+                    by_file.setdefault(where[key], []).append((name, key, (e - owned[0], rows)))
+        elif id(targets[name]) not in done:
+            done.add(id(targets[name]))
+            by_file.setdefault(where[src], []).append((name, src, None))
+    return by_file
 
 
 # ---------------------------------------------------------------------------------------------

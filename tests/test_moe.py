@@ -150,6 +150,15 @@ def test_export_loads_in_transformers(tmp_path):
     load_safetensors(again, str(tmp_path), progress=False)  # our own export reads back
     for (n, a), b in zip(ours.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(a, b), n
+    # a file holding the experts stacked, as transformers 5 holds them in memory, reads too
+    from safetensors.torch import save_file
+
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    save_file(ours.state_dict(), str(stacked / "model.safetensors"))
+    again = Qwen3(MOE)
+    load_safetensors(again, str(stacked), progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), again.parameters()))
 
 
 # ---- train.py end to end: one step against transformers, resumed on another layout ----------
