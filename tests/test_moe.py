@@ -158,7 +158,9 @@ def test_export_loads_in_transformers(tmp_path):
     save_file(ours.state_dict(), str(stacked / "model.safetensors"))
     again = Qwen3(MOE)
     load_safetensors(again, str(stacked), progress=False)
-    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), again.parameters()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(ours.parameters(), again.parameters(), strict=True)
+    )
 
 
 # ---- train.py end to end: one step against transformers, resumed on another layout ----------
