@@ -410,6 +410,18 @@ PRESETS: dict[str, Qwen3Config] = {
         num_attention_heads=64,
         num_key_value_heads=8,
     ),
+    # Qwen/Qwen3-30B-A3B: 48 layers, each with 128 experts of 768, 8 per token (model/moe.py).
+    "qwen3-30b-a3b": Qwen3Config(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
     # For tests and the CPU demo: head_dim deliberately not hidden / heads, GQA ratio 2.
     "tiny": Qwen3Config(
         vocab_size=512,

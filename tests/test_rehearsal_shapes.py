@@ -49,6 +49,9 @@ SHAPES = {
     # the layout the chooser takes for 32B at 1M (some inputs on the GPU, attention on both, the
     # fp32 state on the host), as a --layout file: at 2 layers one host layer and one GPU layer
     "32b mixed layout": ("qwen3-32b", 8, ["--layout", "{layout}"]),
+    # a mixture of experts (128 experts, 8 per token, sharded 16 per rank): its fp32 state
+    # needs the host, which the layout chooser finds
+    "30b-a3b at 1M": ("qwen3-30b-a3b", 8, []),
 }
 # the layers of a "{layout}" file at 2 layers (at full depth, the dry run's own choice)
 MIXED_LAYERS = [{"input": "host", "attention": "host"}, {"input": "device", "attention": "device"}]
