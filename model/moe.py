@@ -8,6 +8,7 @@ To use it elsewhere: copy this file alone; it needs torch only.
     moe.aux_grad = g                # [experts]: d(router loss)/d(router prob), added in backward
     with moe.skipping():            # a checkpoint's recompute: x saved, no expert runs
         moe(x)
+    aux, load = router_loss(blocks, 0.001, sum_ranks=dist.all_reduce)  # after the forward
 
 The forward is transformers' Qwen3MoeSparseMoeBlock: the router (a bias-free linear) gives
 logits, softmax in fp32, the top_k experts per token, their probabilities renormalised to sum 1
@@ -20,7 +21,8 @@ experts.down_proj [experts, hidden, intermediate], gate.weight [experts, hidden]
 
 The one idea: an autograd.Function over pieces of at most `tile` tokens. The token-expert pairs
 are sorted by expert and each expert's pairs run in tiles of `tile` rows, one matrix product
-per tile, so the routed activations of all tokens x top_k ([tokens x top_k, hidden] and
+per tile (plain F.linear; torch's private grouped GEMM, torch._grouped_mm, is not used),
+so the routed activations of all tokens x top_k ([tokens x top_k, hidden] and
 [tokens x top_k, 2 x intermediate]) never exist at once. Forward runs under no_grad and saves
 only its input and weights; backward recomputes the router (small: [tokens, experts]), replays
 each tile with grad and accumulates each expert's weight gradients in fp32. The router's

@@ -272,3 +272,21 @@ def test_train_matches_transformers_on_every_layout_and_resumes_on_another(tmp_p
     ids = torch.as_tensor(rows[:1, :64])
     with torch.no_grad():
         assert (back(ids).logits - ours.logits(ids)).abs().max().item() <= 1e-5
+
+
+def test_dry_run_plans_qwen3_30b_a3b_beside_the_public_run(tmp_path, capsys):
+    """The published Qwen3-30B-A3B config at the recipe's 1M tokens on 8 x 80 GB: planned (not
+    refused), its 30.5B parameters counted with every expert, beside the public run's figures."""
+    import json
+
+    import train
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(Qwen3Config.preset("qwen3-30b-a3b").to_hf()))
+    argv = ["--preset", "qwen3-8b-1m", "--model", str(model), "--out", str(tmp_path / "out")]
+    train.main([*argv, "--dry-run"])
+    out = capsys.readouterr().out
+    assert "(30.53 B parameters), 1,048,576 tokens, 8 GPUs" in out
+    assert "public recipe (Qwen3-30B-A3B, 8 x H100)" in out and "483 s (measured" in out
+    assert "GPU memory, less that and 2 GB reserve" in out and " fits" in out
