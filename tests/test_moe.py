@@ -290,3 +290,15 @@ def test_dry_run_plans_qwen3_30b_a3b_beside_the_public_run(tmp_path, capsys):
     assert "(30.53 B parameters), 1,048,576 tokens, 8 GPUs" in out
     assert "public recipe (Qwen3-30B-A3B, 8 x H100)" in out and "483 s (measured" in out
     assert "GPU memory, less that and 2 GB reserve" in out and " fits" in out
+
+
+def test_router_aux_loss_flag_and_its_refusal_on_a_dense_model(tmp_path):
+    import train
+    from model.config import ConfigError
+
+    assert train.parse_args([]).router_aux_loss == 0.0  # off, as transformers has it
+    assert train.parse_args(["--router-aux-loss"]).router_aux_loss < 0  # the config's coefficient
+    assert train.parse_args(["--router-aux-loss", "0.02"]).router_aux_loss == 0.02
+    argv = ["--model", "tiny", "--router-aux-loss", "--check-only", "--out", str(tmp_path / "o")]
+    with pytest.raises(ConfigError, match="no router"):
+        train.main(argv)
