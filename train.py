@@ -23,6 +23,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from run.adapter import export_lora, lora_spec
 from run.allocator import set_allocator_settings
 from run.signals import StopSignals
 
@@ -31,7 +32,7 @@ from run.signals import StopSignals
 STOP = StopSignals()
 if __name__ == "__main__":
     STOP.install()
-    # Expandable segments, and host blocks pinned by 8 register threads (run/allocator.py says
+    # Expandable segments, and host blocks pre-faulted by 8 threads (run/allocator.py says
     # why): read once, when CUDA initialises, so set before torch is imported; yours wins.
     set_allocator_settings()
 
@@ -54,7 +55,7 @@ from model.ulysses_exchange import document_segments
 from run.build import build_model, compute_dtype, log0, write_run_layout
 from run.checkpoint import DiskSpaceError, resume_from, rows_to_read, save_checkpoint
 from run.checks import CHOICES, EVAL_TASKS, check_run, open_run_dir
-from run.console import describe_run, fail, log0_outputs, summary_line
+from run.console import describe_rows, describe_run, fail, log0_outputs, summary_line
 from run.evaluate import evaluate_only, start_evaluation
 from run.export import export_final
 from run.flags import parse_flags
@@ -85,7 +86,8 @@ class TrainConfig:
     )
     data: str = arg(
         "synthetic:copy",
-        "pg19 | .txt/.jsonl/.parquet file or dir | tokens:FILE.npy | synthetic:copy|repeat|passkey",
+        "pg19 | .txt/.jsonl/.parquet file or dir (text, messages, or prompt + completion rows) | "
+        "tokens:FILE.npy | synthetic:copy|repeat|passkey",
     )
     seq_len: int = arg(
         1024, "tokens per row (each row holds seq_len + 1 ids: inputs and shifted labels)"
@@ -137,8 +139,9 @@ class TrainConfig:
     )
     loss_chunk: int = arg(256, "rows per chunk of the cross-entropy")
     loss_on: str = arg(
-        "all",
-        "labels the loss counts; predictable: only those a synthetic source marks",
+        "auto",
+        "labels the loss counts; auto: text all, conversations the assistant's, prompt-completion "
+        "the completion's; predictable: only those a synthetic source marks",
         CHOICES["loss_on"],
     )
     eval_data: str = arg(
@@ -199,19 +202,24 @@ class TrainConfig:
     cache_dir: str = arg("", "token cache; empty: $QWEN3_1M_CACHE, else ~/.cache/qwen3-1m")
     eos_token: str = arg("", "separator between documents; empty: the tokenizer's eos token")
     documents: str = arg(
-        "stream",
+        "auto",
         "stream: a row is one sequence; masked: each end-of-text token ends a document "
-        "(attention within it, positions from 0, no label across)",
+        "(attention within it, positions from 0, no label across); auto: text stream, "
+        "conversations masked",
         CHOICES["documents"],
     )
     eos_id: int = arg(
         -1, "the end-of-text id for --documents masked; -1: the text source's --eos-token"
     )
     pack: str = arg(
-        "concat",
+        "auto",
         "text into rows: concat (end to end, cut at each row's end); best-fit (whole documents, "
-        "only longer ones cut, rows padded; needs --documents masked)",
+        "only longer ones cut, rows padded; needs --documents masked); auto: text concat, "
+        "conversations best-fit (a conversation longer than a row is left out, never cut)",
         CHOICES["pack"],
+    )
+    chat_template: str = arg(
+        "", "a .jinja file that renders conversations; empty: the tokenizer's chat template"
     )
     gpu_mem_gb: float = arg(
         0.0,
@@ -225,6 +233,23 @@ class TrainConfig:
         None,
         "fp32 shards, grads, AdamW states in host memory; AdamW on the CPU (-15 GB/GPU); "
         "unset: the layout chooses",
+    )
+    # LoRA (model/lora.py, run/adapter.py; docs/lora.md): frozen base weights, small adapters
+    lora_rank: int = arg(0, "LoRA rank; 0: full fine-tuning (every weight trains)")
+    lora_alpha: float = arg(8.0, "LoRA alpha: the adapters are scaled by alpha / rank (PEFT's)")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input")
+    lora_targets: str = arg(
+        "q,k,v,o,gate,up,down", "the linear layers that get adapters (comma-separated)"
+    )
+    lora_train: str = arg(
+        "", "whole tensors that train too, from embed,norm,head (PEFT's modules_to_save)"
+    )
+    lora_rslora: bool = arg(False, "scale the adapters by alpha / sqrt(rank) (rsLoRA)")
+    lora_merge: bool = arg(
+        False, "OUT/final: the merged model in the Hugging Face layout, not the adapter"
+    )
+    lora_from: str = arg(
+        "", "start from this PEFT adapter directory (training or --eval-only); its config decides"
     )
     layout: str = arg(
         "auto",
@@ -390,9 +415,11 @@ def lr_at(cfg: TrainConfig, step: int) -> float:
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    # Matrices and embeddings are decayed; norms' weights are not.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    # Matrices and embeddings are decayed; norms' weights are not. Frozen weights (LoRA's base)
+    # have no optimizer state.
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -445,17 +472,17 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 class StepResult:
     loss: float  # mean over the step's counted labels on every rank
     grad_norm: float  # global, before clipping
-    tokens: int  # labels counted on every rank
+    tokens: int  # labels counted on every rank; 0: no loss (NaN), the weights left as they were
     skipped: bool  # loss or norm not finite: weights and AdamW state were left as they were
     router: dict | None = None  # MoE: router_aux_loss and the experts' load (router_record)
 
 
 def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]:
-    """This rank's slice of the next row; --loss-on predictable keeps only the labels a
-    synthetic source marks as predictable."""
+    """This rank's slice of the next row; --loss-on predictable, assistant or completion keeps
+    only the labels the source marks (synthetic sources' predictable ones, conversations' own)."""
     batch = next(loader)
     predictable = batch.pop("predictable", None)
-    if predictable is not None and loss_on == "predictable":
+    if predictable is not None and loss_on != "all":
         batch["labels"] = torch.where(predictable, batch["labels"], IGNORE)
     return batch
 
@@ -520,7 +547,8 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
         counts = [torch.tensor(b["labels"].numel()) for b in micro_batches]
     count = torch.stack(counts).sum().to(torch.float64)
     dist.all_reduce(count)
-    count.clamp_(min=1)  # a step without labels contributes zero loss, not NaN
+    counted = count.clone()  # 0: no label counts in this step's rows on any rank
+    count.clamp_(min=1)  # a step without labels has no loss: its gradient is 0, not NaN
     loss_sum = torch.zeros((), dtype=torch.float64, device=count.device)
     aux_sum, load = torch.zeros((), dtype=torch.float64, device=count.device), None
     for batch in micro_batches:
@@ -548,14 +576,16 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
     with host_threads(cfg.cpu_offload):
         norm = global_grad_norm(model, cfg.grad_clip)
         if values:  # one host read each
-            tokens = int(count.item())
-            loss, grad_norm = loss_sum.item() / tokens + aux_sum.item(), float(norm)
+            tokens = int(counted.item())
+            loss, grad_norm = loss_sum.item() / max(tokens, 1) + aux_sum.item(), float(norm)
         else:
             tokens = sum(b["labels"].numel() for b in micro_batches)
             loss = grad_norm = math.nan
         # Loss and norm are the same on every rank, so every rank skips (or steps) together.
         skipped = values and not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if not skipped:
+        if values and tokens == 0:  # nothing to learn: no loss, and AdamW does not move
+            loss = math.nan
+        elif not skipped:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     router = router_record(aux_sum, load) if load is not None and values else None
@@ -623,12 +653,10 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         pack=cfg.pack,
         key_digits=key_digits(cfg),
         progress=True,
+        chat_template=cfg.chat_template,
     )
-    if "padding_share" in getattr(rows, "meta", {}):  # --pack best-fit
-        log0(
-            f"data: best-fit packing, padding {rows.meta['padding_share']:.2%} of the rows' "
-            f"tokens, {rows.meta['documents_cut']} documents longer than a row cut"
-        )
+    if about_rows := describe_rows(getattr(rows, "meta", {})):
+        log0(about_rows)
 
     # ---- model: meta -> FSDP2 shards over dp x sp -> materialise -> load (or init)
     mesh = build_mesh(world, sp, device.type)
@@ -656,7 +684,8 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         return path
 
     # MFU counts the model's FLOPs: no recomputation (ours is overhead), backward = 2x forward
-    per_row = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0)
+    # (LoRA: 1x for the frozen weights, whose gradient products are skipped)
+    per_row = step_flops(mc, cfg.seq_len, attn_bwd_factor=2.0, lora=lora_spec(cfg))
     flops = per_row["model"] * cfg.grad_accum * dp
     guard = NonFiniteGuard(cfg.max_bad_steps)
     log = StepLog(
@@ -737,7 +766,15 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
     if cfg.save_every:
         checkpoint(cfg.steps)
     final = os.path.join(cfg.out, "final")
-    if cfg.save_final:
+    spec = lora_spec(cfg)
+    if cfg.save_final and spec is not None:  # PEFT's adapter directory, or --lora-merge's model
+        save_dtype = getattr(torch, cfg.save_dtype)
+        export_lora(
+            model, cfg, spec, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0
+        )
+        what = "merged model, Hugging Face layout" if cfg.lora_merge else "PEFT adapter"
+        log0(f"saved {final} ({what})")
+    elif cfg.save_final:
         save_dtype = getattr(torch, cfg.save_dtype)
         export_final(model, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0)
         log0(f"saved {final} (Hugging Face layout)")

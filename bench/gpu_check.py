@@ -2,7 +2,7 @@
 (1,048,576 tokens over 8 GPUs at sp=8, attention once, 16,384-row MLP tiles, the kernel train.py
 pins), and the 8-GPU step projected from them; what only a GPU shows besides: train.py's backend
 probe and its fallback, memory outside torch's allocator, attention past 2^31 elements, and a
-train.py --cpu-offload run. README "On one GPU" lists the parts and the sum.
+train.py --cpu-offload run. docs/one-gpu.md lists the parts and the sum.
 
     timeout 360 python bench/gpu_check.py --budget-s 330 --out gpu_check.json   # ~3 min expected
     python bench/gpu_check.py --parts attention,backends --out r.json
@@ -52,7 +52,9 @@ from memory.report import PUBLIC_RECIPE
 from memory.steptime import measured_parts, pinned_gbps
 from model.attention import attention, set_backend, torch_cudnn_gate
 from model.attention_probe import (
+    PROBE_TOLERANCE,
     check_attention,
+    choose_documents_kernel,
     choose_kernel,
     probe_kernel,
     rank_attention_shape,
@@ -64,7 +66,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GB, GiB = 1e9, 2**30
 # backends probes cuDNN and flash at the sp=8 rank's full 1M-token shape, as train.py does
 SHARES = {"loss": 0.13, "layers": 0.27, "attention": 0.15, "backends": 0.13, "optimizer": 0.07}
-SHARES.update(int32=0.10, cpu_offload=0.15)
+# documents last, on the ~40% of the budget the others are expected to leave (~3 of 5.5 minutes)
+SHARES.update(int32=0.10, cpu_offload=0.15, documents=0.05)
 ATTN_TFLOPS = 300.0  # a floor for bf16 causal attention on H100/H200, for the int32 part's estimate
 STARTUP_S = {"cuda": 15.0, "cpu": 3.0}  # a fresh process's imports and CUDA start
 PART_COLUMNS = {"part": "", "status": "", "process_s": ".1f", "process_peak_gb": ".2f"}
@@ -85,6 +88,7 @@ class Geometry:
     check_tokens: int  # cuDNN against flash
     int32_tokens: int  # sp=1 heads: q past 2^31 elements at the full size
     offload_run: tuple  # train.py --cpu-offload: model, tokens, steps
+    documents: tuple  # rows of documents: how many long ones, how many short ones
 
     @property
     def tokens(self) -> int:
@@ -103,8 +107,11 @@ FULL = Geometry(
     65536,
     532_480,
     ("qwen3-0.6b", 65_536, 2),
+    (11, 10_000),  # eleven ~95K-token books; 10,000 short documents (chats)
 )
-TINY = Geometry("tiny", 512, 2, (32, 128, 256), (2, 3), 64, 3, 0.05, 512, 512, ("tiny", 512, 2))
+TINY = Geometry(
+    "tiny", 512, 2, (32, 128, 256), (2, 3), 64, 3, 0.05, 512, 512, ("tiny", 512, 2), (11, 100)
+)
 
 
 def _dtype(dev: torch.device) -> torch.dtype:
@@ -293,6 +300,73 @@ def part_int32(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     return {**out, "time_s": time.perf_counter() - t0}
 
 
+def document_rows(tokens: int, long: int, short: int) -> dict:
+    """Two rows of `tokens` tokens: `long` documents of nearly equal length, and `short` documents
+    of lengths 1 .. 2 x tokens / short - 2 in turn (one-token ones among them) plus the rest."""
+    books = [tokens // long] * long
+    books[-1] += tokens - sum(books)
+    span = max(2 * (tokens // short) - 2, 1)
+    chats = [1 + (i * 37) % span for i in range(short - 1)]
+    chats.append(tokens - sum(chats))
+    return {"long": tuple(books), "short": tuple(chats)}
+
+
+def _fwd_bwd(attend, q, k, v, dout) -> list:
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = attend(q, k, v)
+    return [out.detach(), *torch.autograd.grad(out, (q, k, v), dout)]
+
+
+def _timed(fn, dev) -> float:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter() - t0
+
+
+def part_documents(g: Geometry, dev: torch.device, limit_s: float) -> dict:
+    """One sp rank's attention over a row of documents, as train.py runs it with --documents
+    masked (choose_documents_kernel: one flash call with cumulative lengths on a GPU): a row of
+    `long` documents and one of `short`, each its first call (graphs built, kernels loaded) and
+    then its time per layer (forward + backward), which the projection divides by the stream's
+    (the attention part's); and equality against the same row run once per document (flash on a
+    GPU), the largest difference of out, dq, dk, dv over the largest value."""
+    cfg, dtype = load_config(g.model), _dtype(dev)
+    shape = rank_attention_shape(cfg, g.seq_len, g.sp)
+    T, heads = shape.pop("seq_len"), tuple(shape.values())
+    backend = bench_attention.pinned_backend(dev, dtype, *heads, T)
+    way = choose_documents_kernel(dev, dtype, cfg, g.seq_len, g.sp, backend).name
+    per_document = "flash" if dev.type == "cuda" else backend
+    q, k, v, dout = training_layout(T, *heads, dtype, dev)
+    out = {"tokens": T, "heads": list(heads), "backend": backend, "documents_kernel": way}
+    t0 = time.perf_counter()
+    for name, lens in document_rows(T, *g.documents).items():
+        if time.perf_counter() - t0 > 0.5 * limit_s:
+            out[name] = {"skipped": f"{time.perf_counter() - t0:.0f} s of {limit_s:.0f} s spent"}
+            continue
+        attend = functools.partial(attention, backend=backend, doc_lens=lens, documents=way)
+        first = _timed(lambda a=attend: _fwd_bwd(a, q, k, v, dout), dev)
+        steady = min(_timed(lambda a=attend: _fwd_bwd(a, q, k, v, dout), dev) for _ in range(2))
+        got = _fwd_bwd(attend, q, k, v, dout)
+        each = functools.partial(
+            attention, backend=per_document, doc_lens=lens, documents="segments"
+        )
+        want = _fwd_bwd(each, q, k, v, dout)
+        diffs = {
+            n: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+            for n, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True)
+        }
+        del got, want
+        r = {"documents": len(lens), "longest": max(lens), "ones": lens.count(1)}
+        r.update(first_call_s=first, per_layer_s=steady, first_call_overhead_s=first - steady)
+        r.update(vs_per_document=diffs, agrees=max(diffs.values()) <= PROBE_TOLERANCE)
+        out[name] = r
+    return out
+
+
 def part_cpu_offload(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     """train.py --cpu-offload on this one device (fp32 state and fused AdamW on the host): its last
     step's record."""
@@ -334,7 +408,7 @@ def part_optimizer(g: Geometry, dev: torch.device, limit_s: float) -> dict:
 
 PARTS = {f.__name__.removeprefix("part_"): f for f in (part_loss, part_layers, part_attention)}
 PARTS.update(backends=part_backends, optimizer=part_optimizer, int32=part_int32)
-PARTS.update(cpu_offload=part_cpu_offload)
+PARTS.update(cpu_offload=part_cpu_offload, documents=part_documents)
 
 
 def _run_parts(names: list, g: Geometry, device: str, limit_s: float) -> dict:
@@ -396,6 +470,10 @@ def project(res: dict, g: Geometry, nvlink_gbps: float, peak_tflops: float, esiz
         f"{t['a2a_s']:.4f} + {t['optimizer_s']:.4f} = {step:.4g} s"
     )
     out.update(attention_share=L * t["attention_s"] / step, backend=att["backend"])
+    docs = res.get("documents", {})
+    for row in ("long", "short"):  # a row of documents' attention per layer over the stream's
+        if docs.get("status") == "ok" and "per_layer_s" in docs.get(row, {}):
+            out[f"documents_{row}_vs_stream"] = docs[row]["per_layer_s"] / t["attention_s"]
     out["step_s_attention_recomputed"] = parts.step_s(L, a2a_s, save_attention=False)
     out["implied_mfu"] = p.flops.step / (gpus * peak_tflops * 1e12 * step)
     out["vs_public_recipe"] = PUBLIC_RECIPE["step_time_s"] / step

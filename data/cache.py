@@ -8,6 +8,9 @@
                 ...                             # fill `out`, a memmap of a temporary file
             tokens = entry.load(num_rows)
 
+A cache of conversations also holds a loss mask beside the ids, `<name>-<hash>.mask.npy` (uint8,
+the rows' shape, 1 where a token's label counts: writer(..., mask=True), load_mask).
+
 The file name carries a hash of the key, so caches for different tokenizers or lengths live side
 by side. A cache is used only if its JSON matches the key and the .npy is exactly as long as the
 JSON says; anything else (a crash mid-write, an edit, a truncated copy) is rebuilt. A cache with
@@ -80,6 +83,7 @@ class CacheEntry:
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True).encode()).hexdigest()[:16]
         stem = os.path.join(os.fspath(cache_dir), f"{_slug(name)}-{digest}")
         self.npy, self.json, self.lock_path = stem + ".npy", stem + ".json", stem + ".lock"
+        self.mask_npy = stem + ".mask.npy"
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -112,6 +116,18 @@ class CacheEntry:
             return None
         return problem[:num_rows]
 
+    def load_mask(self, num_rows: int) -> np.ndarray | None:
+        """The first num_rows rows of the loss mask (uint8) written beside the ids, memory-mapped;
+        None if it is missing or not the ids' shape."""
+        meta = self.read_meta() or {}
+        try:
+            mask = np.load(self.mask_npy, mmap_mode="r")
+        except (OSError, ValueError):
+            return None
+        if mask.dtype != np.uint8 or list(mask.shape) != meta.get("shape"):
+            return None
+        return mask[:num_rows]
+
     def _check(self, num_rows: int, verify: bool) -> np.ndarray | str:
         meta = self.read_meta()
         if meta is None:
@@ -137,17 +153,28 @@ class CacheEntry:
         return tokens
 
     @contextlib.contextmanager
-    def writer(self, shape: tuple[int, int], info: dict[str, Any]) -> Iterator[np.ndarray]:
+    def writer(
+        self, shape: tuple[int, int], info: dict[str, Any], *, mask: bool = False
+    ) -> Iterator[Any]:
         """A writable uint32 memmap of a temporary file; renamed into place only on success.
+        mask=True: a pair, the ids' memmap and a uint8 one of the same shape for the loss mask.
 
         `info` is added to the JSON and may be filled in by the caller inside the block.
         """
         os.makedirs(os.path.dirname(self.npy) or ".", exist_ok=True)
         tmp = f"{self.npy}.tmp{os.getpid()}"
+        mask_tmp = f"{self.mask_npy}.tmp{os.getpid()}"
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=DTYPE, shape=shape)
+        mask_out = None
+        if mask:
+            mask_out = np.lib.format.open_memmap(mask_tmp, mode="w+", dtype=np.uint8, shape=shape)
         try:
-            yield out
+            yield out if mask_out is None else (out, mask_out)
             out.flush()
+            if mask_out is not None:
+                mask_out.flush()
+                info["mask_sha256"] = sha256_of(mask_out)
+                del mask_out
             meta = {
                 **self.key,
                 **info,
@@ -167,11 +194,14 @@ class CacheEntry:
             # always sees the array it describes.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.json)
+            if mask:
+                os.replace(mask_tmp, self.mask_npy)
             os.replace(tmp, self.npy)
             _write_json_atomically(self.json, meta)
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            for path in (tmp, mask_tmp):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
 
 def _write_json_atomically(path: str, obj: dict[str, Any]) -> None:

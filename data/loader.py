@@ -37,6 +37,13 @@ def batch_to(batch: dict, device) -> dict:
     }
 
 
+def shard_label_mask(mask: Any, sp_rank: int, sp_size: int) -> torch.Tensor:
+    """A bool per label of a row (over row[1:], [T]) cut as shard_row cuts the labels: mask[i]
+    is input i's label's, so it is cut as the inputs are, the padding False."""
+    as_row = np.append(np.asarray(mask, dtype=bool), False)  # [T + 1]: one byte a token
+    return shard_row(as_row, sp_rank, sp_size)["input_ids"].bool()
+
+
 class RowLoader:
     """Iterates this (dp rank, sp rank)'s shards, one row per step; see the module docstring.
 
@@ -98,17 +105,11 @@ class RowLoader:
         mask_of = getattr(self.rows, "predictable", None)
         mask = mask_of(i) if mask_of else None  # Rows says None: no label is marked
         if mask is not None:
-            batch["predictable"] = self._shard_labels_mask(mask)
+            batch["predictable"] = shard_label_mask(mask, self.sp_rank, self.sp_size)
         self.next_row += self.dp_size
         if self.device is not None:
             batch = batch_to(batch, self.device)
         return batch
-
-    def _shard_labels_mask(self, mask: Any) -> torch.Tensor:
-        """A bool per label of the row (over row[1:], [T]) cut as the labels are: mask[i] is
-        input i's label's, so it is cut as the inputs are, the padding False."""
-        as_row = np.append(np.asarray(mask, dtype=bool), False)  # [T + 1]: one byte a token
-        return shard_row(as_row, self.sp_rank, self.sp_size)["input_ids"].bool()
 
     def state_dict(self) -> dict[str, int]:
         """Where the next step starts; the same on every rank, and valid for another dp_size."""

@@ -11,6 +11,10 @@ Sources (see data/sources.py for text):
                         books tokenised, joined with the end-of-text token, cut into rows;
                         cached under cache_dir, rebuilt when the source, tokenizer, seq_len, seed
                         or eos token change; more rows than cached -> rebuilt, fewer -> a prefix
+    a local .jsonl / .json / .parquet of conversations or prompt-completion pairs
+                        rendered by the chat template (data/conversations.py), packed whole by
+                        best fit, cached with a loss mask beside the ids: MaskedRows, whose
+                        predictable(i) marks the labels the loss counts (the assistant's)
     "tokens:FILE.npy"   a token array used as is (memory-mapped): its rows if they are seq_len + 1
                         long, otherwise its flat contents cut into consecutive slices; integer ids
                         only, and with vocab_size every id used must lie in [0, vocab_size)
@@ -34,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from data import encode, sources
+from data import conversations, encode, sources
 from data.cache import CacheEntry
 from data.packing import fill_best_fit
 from data.passkey_rows import PasskeyRows
@@ -86,6 +90,19 @@ class Rows:
         return f"Rows({len(self)} x {self.seq_len + 1}, {self.tokens.dtype}, path={self.path!r})"
 
 
+class MaskedRows(Rows):
+    """Rows with a loss mask beside the ids: counted [rows, seq_len + 1] uint8, 1 where a token
+    is a label the loss counts (data/conversations.py)."""
+
+    def __init__(self, tokens: np.ndarray, counted: np.ndarray, **kw):
+        super().__init__(tokens, **kw)
+        self.counted = counted
+
+    def predictable(self, i: int) -> np.ndarray:
+        """bool [seq_len]: which labels (row[1:]) the loss counts."""
+        return self.counted[i][1:] != 0
+
+
 def build_rows(
     source: str,
     tokenizer: Any,
@@ -102,6 +119,7 @@ def build_rows(
     progress: bool = True,
     verify: bool = False,
     key_digits: tuple[int, int] = KEY_DIGITS,
+    chat_template: str = "",
 ) -> Rows | CopyRows | PasskeyRows:
     """num_rows rows of seq_len + 1 tokens from `source`; see the module docstring.
 
@@ -110,7 +128,8 @@ def build_rows(
     "<|endoftext|>"). pack: "concat" (books end to end, cut at every row's end) or "best-fit"
     (whole books, cut only when longer than a row, rows padded with eos: data/packing.py).
     shuffle_buffer is for hub streaming; verify re-hashes a cache before use. key_digits: the
-    pass keys' digits (fewest, most) of synthetic:passkey.
+    pass keys' digits (fewest, most) of synthetic:passkey. chat_template: a .jinja file that
+    renders conversations instead of the tokenizer's own template.
     """
     source = os.fspath(source)
     if int(seq_len) < 1 or int(num_rows) < 1:
@@ -134,6 +153,20 @@ def build_rows(
 
     if pack not in ("concat", "best-fit"):
         raise ValueError(f"pack {pack!r}: use concat or best-fit")
+    kind = conversations.data_kind(source, text_column)
+    if kind != "text":
+        return _conversation_rows(
+            source,
+            tokenizer,
+            seq_len,
+            num_rows,
+            cache_dir,
+            kind=kind,
+            seed=seed,
+            eos_token=eos_token,
+            chat_template=chat_template,
+            verify=verify,
+        )
     options = dict(seed=seed, eos_token=eos_token, pack=pack, text_column=text_column)
     options.update(shuffle_buffer=shuffle_buffer, progress=progress, verify=verify)
     return _text_rows(source, tokenizer, seq_len, num_rows, cache_dir, **options)
@@ -238,6 +271,40 @@ def _text_rows(
                     f"the cache just written to {entry.npy} does not read back; is the disk full?"
                 )
     return Rows(tokens, meta=entry.read_meta(), path=entry.npy, built=built)
+
+
+def _conversation_rows(
+    source, tokenizer, seq_len, num_rows, cache_dir, *, kind, seed, eos_token, chat_template, verify
+) -> MaskedRows:
+    """Conversations rendered and packed once into the cache with their mask, then mapped."""
+    render = conversations.Renderer(tokenizer, chat_template, eos_token)
+    key = {
+        "source": sources.describe(source),
+        "tokenizer": encode.fingerprint(tokenizer),
+        "eos_token": eos_token,
+        "seq_len": seq_len,
+        "seed": seed,
+        "kind": kind,
+        "pack": "best-fit",
+        **render.key,
+    }
+    entry = CacheEntry(cache_dir, cache_name(source, seq_len, seed), key)
+    with entry.locked():
+        tokens, counted = entry.load(num_rows, verify=verify), entry.load_mask(num_rows)
+        built = tokens is None or counted is None
+        if built:
+            records = conversations.iter_records(source, seed)
+            info: dict[str, Any] = {"eos_id": render.sep, "source_string": source}
+            with entry.writer((num_rows, seq_len + 1), info, mask=True) as (out, mask_out):
+                info.update(
+                    conversations.pack_conversations(render, records, out, mask_out, desc=source)
+                )
+            tokens, counted = entry.load(num_rows), entry.load_mask(num_rows)
+            if tokens is None or counted is None:
+                raise RuntimeError(
+                    f"the cache just written to {entry.npy} does not read back; is the disk full?"
+                )
+    return MaskedRows(tokens, counted, meta=entry.read_meta(), path=entry.npy, built=built)
 
 
 def _token_file(path: str) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Cross-entropy over a large vocabulary, computed in row chunks so the logits never exist whole.
 
-To use it elsewhere: copy this file alone; it needs torch only. README's "Use a piece in your own
-code" applies it to transformers' Qwen3ForCausalLM.
+To use it elsewhere: copy this file alone; it needs torch only. docs/pieces.md applies it to
+transformers' Qwen3ForCausalLM.
 
     loss_sum = chunked_cross_entropy(hidden, lm_head.weight, labels)   # [N, H], [V, H], [N]
     loss = group_mean_loss(loss_sum, labels, group)   # / the labels counted on every rank

@@ -6,7 +6,9 @@
     layer_backward_moments(config, 131_072, 8)   # {"MLP backward": {Buffer: bytes}, ...}
     layer_forward_moments(config, 131_072, 8)    # the same for a forward alone (evaluation)
 
-Buffer names every kind of tensor memory/plan.py counts (these activations, FSDP2's gathered
+A moment is one point of the step (the MLP's backward, say) at which memory/plan.py adds up the live
+tensors; each moment here is a dict {Buffer: bytes}, and each constant in it says which tensors it
+counts. Buffer names every kind of tensor memory/plan.py counts (these activations, FSDP2's gathered
 units and fp32 buffers, the loss's tensors); its value is only the label shown to users, so the
 planner's sums never depend on wording. Sizes are per GPU at `tokens` local tokens, arithmetic on
 the config: nothing is allocated.
@@ -40,6 +42,7 @@ class Buffer(str, Enum):
     LAYER_INPUT = "layer input (copied back from the host, or kept)"
     KEPT_INPUTS = "layer inputs kept on the device (layers not yet in backward)"
     KEPT_ATTENTION = "attention out and lse kept on the device (layers not yet in backward)"
+    KEPT_DOCUMENTS = "documents' cumulative lengths and flash's rng state (layers not in backward)"
     NEXT_INPUT = "next layer's input, prefetched from host"
     NEXT_ATTENTION = "next layer's attention out and lse, prefetched with its input"
     ROPE = "RoPE cos and sin (shared by all layers)"
@@ -96,6 +99,21 @@ class Buffer(str, Enum):
     EVAL_LOSSES = "per-token losses and the counted rows' indices"
 
 
+CUDA_SMALLEST_BLOCK = 512  # bytes: torch's CUDA caching allocator rounds every tensor up to it
+
+
+def documents_state_bytes(seq_len: int, doc_len: int, device: str = "cuda") -> int:
+    """What one layer's attention keeps on a GPU until its backward for a row of documents of
+    doc_len (--documents masked; 0: a stream, nothing): the one flash call's int32 cumulative
+    lengths (documents + 1) and its rng state (two small tensors), each in its own allocator
+    block. The per-document path (CPU) keeps nothing. 11 documents: 1,536 bytes per layer."""
+    if doc_len <= 0 or device != "cuda":
+        return 0
+    documents = -(-seq_len // min(doc_len, seq_len))
+    blocks = -(-(documents + 1) * 4 // CUDA_SMALLEST_BLOCK)
+    return (blocks + 2) * CUDA_SMALLEST_BLOCK
+
+
 def attention_workspace(attn_backend: str) -> Buffer:
     """The buffer that names the attention backward's own workspace for this kernel: cuDNN's is
     its own term (its size projected as FlashAttention-2's until a GPU measures it), so the first
@@ -111,6 +129,8 @@ def _norm_saved(rows: int, dim: int, b: int, fused: bool, input_elsewhere: bool)
     left to autograd: normalise in fp32, cast, scale): an fp32 copy of the input, the normalised
     bf16 tensor and the fp32 rstd.
     """
+    # per element: the input (b bytes), or the fp32 copy (4) and the normalised tensor (b);
+    # per row: the fp32 rstd (4 bytes)
     if fused:
         return (0 if input_elsewhere else rows * dim * b) + rows * 4
     return rows * dim * (4 + b) + rows * 4
@@ -144,12 +164,14 @@ def layer_saved_bytes(
         Buffer.NORMED_INPUT: X,
         Buffer.QK_NORMS: _norm_saved(t * nh, hd, b, fused_norm, False)
         + _norm_saved(t * nkv, hd, b, fused_norm, False),
-        Buffer.QKV_AT_SDPA: Q + 2 * K,
+        Buffer.QKV_AT_SDPA: Q + 2 * K,  # q, and k and v
         Buffer.ATTN_OUT: Q,
-        Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T]
+        Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T] in fp32 (4 bytes)
         Buffer.O_PROJ_INPUT: Q if sp > 1 else 0,
         Buffer.POST_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=False),
         Buffer.MLP_INPUT: X,
+        # untiled: 4 x [t, intermediate]: gate, up, act = silu(gate), product = act * up (a MoE
+        # block saves none: its loop recomputes them per tile)
         Buffer.MLP_INTERMEDIATES: 0 if tiled_mlp or c.num_experts else 4 * t * inter * b,
     }
 
@@ -194,6 +216,7 @@ def layer_backward_moments(
     device: str = "cuda",
     norm_chunk: int = RMSNORM_CHUNK_ELEMS,
     attn_backend: str = "cudnn",
+    lora_adapters: tuple[int, int] | None = None,
 ) -> dict[str, dict[Buffer, int]]:
     """The activation bytes of one recomputed decoder layer's backward at its four moments.
 
@@ -214,6 +237,9 @@ def layer_backward_moments(
         partial results of the last expression, live together at its final product).
     The all-to-all's staging copies (3 q-sized buffers around one exchange) and a tile's bf16
     weight-gradient products come at moments that hold less than these.
+    lora_adapters (LoRA: the layer's adapter elements, and its MLP's): the frozen weights make no
+    gradient, so the layer's own gradients are the adapters' (counted whole at every moment)
+    and the tiled MLP accumulates only its adapters' in fp32.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd, nh = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads
@@ -224,7 +250,7 @@ def layer_backward_moments(
     io = {  # offload=False: the input is among the kept ones (memory/plan.py counts it so)
         Buffer.LAYER_INPUT: X if offload else 0,
         Buffer.NEXT_INPUT: X if offload else 0,
-        Buffer.ROPE: 2 * t * hd * b,
+        Buffer.ROPE: 2 * t * hd * b,  # cos and sin, [t, hd] each
     }
     if c.num_experts:  # model/moe.py: the experts' loop, its stacked gradients made up front
         moe = c.moe_intermediate_size
@@ -239,16 +265,23 @@ def layer_backward_moments(
     elif tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
         mlp = {
             Buffer.OUTPUT_GRAD: X,
+            # 7 x [tile, intermediate]: the tile's gate, up, act = silu(gate) and product =
+            # act * up (4), and the gradients of product, act and up (3)
             Buffer.MLP_TILE: 7 * min(mlp_tile, t) * inter * b,
-            Buffer.MLP_WEIGHT_GRAD_ACC: 3 * H * inter * 4,
+            # 3 fp32 (4-byte) accumulators, one per weight: gate_proj, up_proj, down_proj; under
+            # LoRA only the adapters' accumulators
+            Buffer.MLP_WEIGHT_GRAD_ACC: (lora_adapters[1] if lora_adapters else 3 * H * inter) * 4,
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
         }
     else:  # the product itself is freed at its backward; gate, up and act are counted here
+        # 6 x [t, intermediate]: gate, up, act (3), and the gradients of product, act and up (3)
         mlp = {Buffer.OUTPUT_GRAD: X, Buffer.MLP_BACKWARD: 6 * t * inter * b}
     post = {
         Buffer.OUTPUT_GRAD: X,
         Buffer.MLP_INPUT_GRAD: X,
         Buffer.NORM_INPUT_GRAD: X,
+        # 4 fp32 (4-byte) tensors per element of one row chunk: the normalised rows, the upcast
+        # gradient and two partial results of the input gradient's expression
         Buffer.NORM_TEMPORARIES: 4 * min(t * H, norm_chunk) * 4,
     }
     cuda = device == "cuda"
@@ -256,42 +289,48 @@ def layer_backward_moments(
     attn = {
         Buffer.RESIDUAL_GRAD: X,
         Buffer.ATTN_OUT_GRAD: Q,
-        Buffer.QKV_GRAD_AT_SDPA: Q + 2 * K,
+        Buffer.QKV_GRAD_AT_SDPA: Q + 2 * K,  # dq, and dk and dv
         attention_workspace(attn_backend): backward_workspace_bytes(t, nh, hd) if cuda else 0,
-        Buffer.FLASH_GQA_GRADS: 2 * Q if expands else 0,
+        Buffer.FLASH_GQA_GRADS: 2 * Q if expands else 0,  # dk and dv, q-sized once expanded
     }
     qk = {
         Buffer.RESIDUAL_GRAD: X,
-        Buffer.QKV_GRAD: Q + 2 * Kl,
-        Buffer.NORM_TEMPORARIES: 4 * min(t * nh * hd, norm_chunk) * 4,
+        Buffer.QKV_GRAD: Q + 2 * Kl,  # dq, and dk and dv
+        Buffer.NORM_TEMPORARIES: 4 * min(t * nh * hd, norm_chunk) * 4,  # as the post norm's
     }
     # The layer's own unsharded gradients (compute dtype) made by each moment: backward runs the
-    # MLP (down_proj first), then o_proj, SDPA, the q/k norms, then the projections.
+    # MLP (down_proj first), then o_proj, SDPA, the q/k norms, then the projections. HI: one MLP
+    # weight's gradient (3 x HI: gate_proj, up_proj, down_proj); HQ: o_proj's. Tiled, the MLP's
+    # weight gradients are in the fp32 accumulators until its backward ends.
     HI, HQ = H * inter * b, H * nh * hd * b
+    # MoE: HI is every expert's, and the experts' stacked gradients are made whole up front
+    grads = [3 * HI if c.num_experts else 0 if tiled_mlp else HI, 3 * HI, 3 * HI + HQ, 3 * HI + HQ]
+    if lora_adapters is not None:
+        grads = [lora_adapters[0] * b] * 4
     return {
         "MLP backward": {
             **io,
             **_saved_through(saved, Buffer.MLP_INPUT),
             **mlp,
-            Buffer.LAYER_GRADS: 3 * HI if c.num_experts else 0 if tiled_mlp else HI,
+            Buffer.LAYER_GRADS: grads[0],
         },
         "post-attention norm backward": {
             **io,
             **_saved_through(saved, Buffer.POST_NORM),
             **post,
-            Buffer.LAYER_GRADS: 3 * HI,
+            Buffer.LAYER_GRADS: grads[1],
         },
         "attention backward": {
             **io,
             **_saved_through(saved, Buffer.ATTN_LSE),
             **attn,
-            Buffer.LAYER_GRADS: 3 * HI + HQ,
+            Buffer.LAYER_GRADS: grads[2],
         },
         "q/k norm backward": {
             **io,
             **_saved_through(saved, Buffer.QK_NORMS),
             **qk,
-            Buffer.LAYER_GRADS: 3 * HI + HQ,
+            Buffer.LAYER_GRADS: grads[3],
         },
     }
 
@@ -329,7 +368,8 @@ def layer_forward_moments(
     Kl = t * c.num_key_value_heads * hd * b  # k or v before the exchange, [t, nkv, hd]
     rows = min(mlp_tile, t) if tiled_mlp else t
     mlp = {
-        Buffer.MLP_FORWARD: 3 * rows * inter * b,
+        Buffer.MLP_FORWARD: 3 * rows * inter * b,  # act, up and product = act x up
+        # the output [t, H] and one tile's down projection [tile, H]
         Buffer.MLP_OUTPUT: X + rows * H * b if tiled_mlp else 0,
     }
     if c.num_experts:  # model/moe.py: the router's [t, E] first, then the loop over experts
@@ -342,19 +382,22 @@ def layer_forward_moments(
     # RMSNorm's forward per element of a chunk: its square, then the normalised rows (fp32
     # inputs: one at a time); for bf16 also the fp32 upcast the two are made from, and the cast.
     # Per row: the fp32 1/rms of every row, and of the chunk's rows.
-    norm_bytes = 4 if b == 4 else 4 + 4 + b
-    io = {Buffer.FORWARD_INPUT: X, Buffer.ROPE: 2 * t * hd * b}
+    norm_bytes = 4 if b == 4 else 4 + 4 + b  # bf16: upcast, square or normalised rows, cast
+    io = {Buffer.FORWARD_INPUT: X, Buffer.ROPE: 2 * t * hd * b}  # RoPE: cos and sin
     return {
         "q norm forward": {
             **io,
             Buffer.NORMED_INPUT: X,
             Buffer.QKV_NORMED: 2 * Q,  # q_proj's output and the norm's
+            # 8 bytes per row (t x nh rows of hd): the fp32 1/rms of every row (4), and of the
+            # chunk's rows (4, counted for every row: a bound)
             Buffer.NORM_TEMPORARIES: min(t * nh * hd, norm_chunk) * norm_bytes + 8 * t * nh,
         },
         "RoPE forward": {
             **io,
             Buffer.NORMED_INPUT: X,
             Buffer.QKV_NORMED: Q + 2 * Kl,
+            # x cos, rotate_half(x) and its product with sin: 3 x q, or q rotated and 3 x k
             Buffer.ROPE_TEMPORARIES: max(3 * Q, Q + 3 * Kl),
         },
         "attention forward": {
@@ -363,13 +406,14 @@ def layer_forward_moments(
             Buffer.QKV_ROTATED: Q + 2 * Kl,
             Buffer.QKV_AT_SDPA: Q + 2 * K if sp > 1 else 0,
             Buffer.ATTN_OUT: Q,
+            # sp > 1: the exchange's send and receive buffers; sp = 1: the [t, nh x hd] copy
             Buffer.ATTN_OUT_BACK: 2 * Q if sp > 1 else Q,
         },
         "post-attention norm forward": {
             **io,
             Buffer.RESIDUAL: X,
             Buffer.POST_NORM: X,
-            Buffer.NORM_TEMPORARIES: min(t * H, norm_chunk) * norm_bytes + 8 * t,
+            Buffer.NORM_TEMPORARIES: min(t * H, norm_chunk) * norm_bytes + 8 * t,  # as the q norm's
         },
         "MLP forward": {
             **io,
@@ -401,13 +445,17 @@ def eval_loss_moments(
     return {
         "final norm forward": {
             Buffer.FORWARD_INPUT: X,
-            Buffer.ROPE: 2 * tokens * c.head_dim * b,
+            Buffer.ROPE: 2 * tokens * c.head_dim * b,  # cos and sin
             Buffer.HIDDEN: X,
+            # 4 fp32 (4-byte) tensors per element of one row chunk, as a norm backward's: a bound
+            # on the forward's (compare norm_bytes in layer_forward_moments)
             Buffer.NORM_TEMPORARIES: 4 * min(tokens * H, norm_chunk) * 4,
         },
         "loss forward (evaluation)": {
             Buffer.HIDDEN: X,
             Buffer.EVAL_LOSSES: tokens * (8 + 4 + 4),  # indices, losses, the [t] they go into
+            # per row of the chunk: fp32 logits and log-probabilities (4 + 4 bytes per vocabulary
+            # entry), on CPU a bf16 product (b), and the row itself gathered (H x b)
             Buffer.LOSS_CHUNK: rows * (V * (8 + (b if low and not fused else 0)) + H * b),
         },
     }
@@ -421,6 +469,7 @@ def loss_moments(
     fused_norm: bool = True,
     compute_bytes: int = 2,
     device: str = "cuda",
+    head_grad: bool = True,
 ) -> dict[str, dict[Buffer, int]]:
     """The chunked loss's tensors (loss/chunked_ce.py) at its two largest moments.
 
@@ -431,28 +480,29 @@ def loss_moments(
     temporaries: the chunk's logits [chunk, V] before their upcast, and the [V, H] product added
     into the accumulator; one is freed before the other is made. "loss backward": the accumulator
     and its cast to the weight's dtype, the hidden gradient and its scaled copy (train.py drops
-    the hidden states).
+    the hidden states). head_grad=False (a frozen lm_head, LoRA): no accumulator, no cast.
     """
     c, b = config, compute_bytes
     V, H = c.vocab_size, c.hidden_size
     X, rows = tokens * H * b, min(loss_chunk, tokens)
     low, fused = b < 4, device == "cuda"
+    # fp32 logits and log-probabilities (4 + 4 bytes per vocabulary entry), bf16 p (b)
     chunk = rows * V * (8 + (b if low else 0))
     if low and not fused:
-        chunk += max(rows * V * b, V * H * b)
+        chunk += max(rows * V * b, V * H * b if head_grad else 0)
     norm = _norm_saved(tokens, H, b, fused_norm, input_elsewhere=False)
     return {
         "loss forward": {
             Buffer.FINAL_NORM: norm,
             Buffer.HIDDEN: X,
             Buffer.HIDDEN_GRAD: X,
-            Buffer.LM_HEAD_GRAD_ACC: V * H * 4,
+            Buffer.LM_HEAD_GRAD_ACC: V * H * 4 if head_grad else 0,  # fp32
             Buffer.LOSS_CHUNK: chunk,
         },
         "loss backward": {
             Buffer.FINAL_NORM: norm,
-            Buffer.LM_HEAD_GRAD_ACC: V * H * 4,
-            Buffer.LM_HEAD_GRAD: V * H * b,
-            Buffer.HIDDEN_GRAD_SCALED: 2 * X,
+            Buffer.LM_HEAD_GRAD_ACC: V * H * 4 if head_grad else 0,
+            Buffer.LM_HEAD_GRAD: V * H * b if head_grad else 0,
+            Buffer.HIDDEN_GRAD_SCALED: 2 * X,  # the gradient and its scaled copy
         },
     }

@@ -20,6 +20,7 @@ from memory.layouts import Candidate, LayoutChoice, Pins, choose_layout, read_la
 from memory.plan import Options, Plan, plan
 from memory.steptime import project
 from model.config import Qwen3Config
+from run.adapter import lora_spec
 
 
 def _run_options(
@@ -49,6 +50,7 @@ def _run_options(
         device=device,
         attn_backend=getattr(cfg, "attn_backend", "auto"),
         doc_len=documents_length(cfg),
+        lora=lora_spec(cfg) if hasattr(cfg, "lora_rank") else None,
         **({"reserve_gb": 0.0, "host_overhead_gb": 0.0} if cpu else {}),
     )
 
@@ -62,9 +64,11 @@ def documents_length(cfg) -> int:
 
 def run_pins(cfg) -> Pins:
     """What a run's flags fix of its layout: --cpu-offload / --no-cpu-offload, --save-attention /
-    --no-save-attention, --no-offload."""
+    --no-save-attention, --no-offload. LoRA pins the fp32 state to the GPU: it is small (the
+    adapters'), and the frozen weights have none to move."""
+    lora = getattr(cfg, "lora_rank", 0) > 0 or bool(getattr(cfg, "lora_from", ""))
     return Pins(
-        cpu_offload=getattr(cfg, "cpu_offload", None),
+        cpu_offload=False if lora else getattr(cfg, "cpu_offload", None),
         save_attention=getattr(cfg, "save_attention", None),
         offload=cfg.offload,
     )

@@ -7,7 +7,7 @@
     StepLayout(cpu_offload=False, device_inputs=1, device_attention=1, host_attention=35)
     write_layout(path, plan); read_layout(path, num_layers)   # train.py --layout-out / --layout
 
-A step keeps, for each decoder layer's backward, its input and (attention once) its attention's
+A step keeps, for each decoder layer's backward, its input and (with save_attention) its attention's
 out and lse. Each can wait on the device or in pinned host memory, or attention can be recomputed;
 and FSDP2's fp32 state with AdamW can live on the GPU or (CPU offload) in host memory. Memory and
 speed pull apart: the device has little room, the host more but the node's is shared by its GPUs,

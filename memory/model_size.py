@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from model.config import Qwen3Config
+from model.lora import LoraSpec, trains_whole
 
 
 def param_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
@@ -71,6 +72,27 @@ def _layer_shapes(c: Qwen3Config, i: int | None = None) -> dict[str, tuple[int, 
     }
 
 
+def adapter_shapes(c: Qwen3Config, lora: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's LoRA adapters (model/lora.py): lora_A [rank, in] and lora_B
+    [out, rank] of every targeted linear layer, under their names in the layer."""
+    out = {}
+    for name, shape in _layer_shapes(c).items():
+        module = name.removesuffix(".weight")
+        if len(shape) == 2 and module.rsplit(".", 1)[-1] in lora.targets:
+            rows, cols = shape
+            out[f"{module}.lora_A.weight"] = (lora.rank, cols)
+            out[f"{module}.lora_B.weight"] = (rows, lora.rank)
+    return out
+
+
+def trains(name: str, lora: LoraSpec | None) -> bool:
+    """Whether the parameter `name` trains: all do in full fine-tuning; with LoRA the adapters
+    and the modules lora.train names (model/lora.py's rule)."""
+    if lora is None or ".lora_A." in name or ".lora_B." in name:
+        return True
+    return trains_whole(name.removesuffix(".weight"), lora)
+
+
 def shard_numel(shape: tuple[int, ...], world: int) -> int:
     """Elements one rank stores for a tensor that FSDP2 shards on dim 0 over `world` ranks.
 
@@ -102,15 +124,40 @@ class FsdpUnits:
     layer_shard: int  # bytes of one rank's fp32 shard of a decoder layer
     emb_shard: int  # bytes of one rank's fp32 shard of the embedding (or lm_head)
     norm_shard: int  # bytes of one rank's fp32 shard of the final norm
-    all_shards: int  # bytes of one rank's fp32 shards of every parameter
+    all_shards: int  # bytes of one rank's shards of every parameter (LoRA: frozen in compute)
+    # What trains (everything in full fine-tuning; LoRA: adapters and lora.train's tensors):
+    trainable_shards: int  # bytes of one rank's fp32 shards of them
+    layer_grad_gathered: int  # elements of a decoder layer's, all-gathered (reduce-scatter input)
+    layer_grad_shard: int  # bytes of one rank's fp32 gradient shards of a decoder layer
+    head_grad_gathered: int  # elements of the untied [norm + lm_head] unit's, all-gathered
+    head_grad_shard: int  # bytes of one rank's fp32 gradient shards of embedding, norm, lm_head
 
 
 @functools.cache  # the layout chooser plans one model hundreds of times
-def fsdp_units(c: Qwen3Config, world: int, master_bytes: int) -> FsdpUnits:
+def fsdp_units(
+    c: Qwen3Config,
+    world: int,
+    master_bytes: int,
+    lora: LoraSpec | None = None,
+    compute_bytes: int = 2,
+) -> FsdpUnits:
     """FSDP2's units of config `c` on the rank holding the largest shards of `world` ranks, with
-    fp32 shards of `master_bytes` per element."""
-    layer, emb, norm = _layer_shapes(c).values(), (c.vocab_size, c.hidden_size), (c.hidden_size,)
-    all_shards = sum(shard_numel(s, world) for s in param_shapes(c).values())
+    fp32 shards of `master_bytes` per element. lora: the base weights frozen in compute_bytes
+    (no gradient), the adapters added to every layer (model/lora.py)."""
+    layer_shapes = {**_layer_shapes(c), **(adapter_shapes(c, lora) if lora else {})}
+    layer, emb, norm = layer_shapes.values(), (c.vocab_size, c.hidden_size), (c.hidden_size,)
+    shapes = dict(param_shapes(c))
+    if lora is not None:
+        for i in range(c.num_hidden_layers):
+            shapes.update({f"model.layers.{i}.{k}": v for k, v in adapter_shapes(c, lora).items()})
+    trained = {k: v for k, v in shapes.items() if trains(k, lora)}
+    frozen = sum(shard_numel(v, world) for k, v in shapes.items() if k not in trained)
+    trainable = sum(shard_numel(v, world) for v in trained.values())
+    layer_trained = [v for k, v in layer_shapes.items() if trains(f"model.layers.0.{k}", lora)]
+    head = {"model.norm.weight": norm}
+    if not c.tie_word_embeddings:
+        head["lm_head.weight"] = emb
+    head_trained = [v for k, v in head.items() if trains(k, lora)]
     return FsdpUnits(
         layer_gathered=_gathered_numel(layer, world),
         emb_gathered=_gathered_numel([emb], world),
@@ -118,7 +165,12 @@ def fsdp_units(c: Qwen3Config, world: int, master_bytes: int) -> FsdpUnits:
         layer_shard=sum(shard_numel(s, world) for s in layer) * master_bytes,
         emb_shard=shard_numel(emb, world) * master_bytes,
         norm_shard=shard_numel(norm, world) * master_bytes,
-        all_shards=all_shards * master_bytes,
+        all_shards=trainable * master_bytes + frozen * (compute_bytes if lora else master_bytes),
+        trainable_shards=trainable * master_bytes,
+        layer_grad_gathered=_gathered_numel(layer_trained, world),
+        layer_grad_shard=sum(shard_numel(s, world) for s in layer_trained) * master_bytes,
+        head_grad_gathered=_gathered_numel(head_trained, world),
+        head_grad_shard=sum(shard_numel(s, world) for s in head_trained) * master_bytes,
     )
 
 
@@ -143,7 +195,12 @@ def attention_square(seq_len: int, doc_len: int = 0) -> int:
 
 
 def step_flops(
-    config: Qwen3Config, seq_len: int, *, attn_bwd_factor: float = 2.5, doc_len: int = 0
+    config: Qwen3Config,
+    seq_len: int,
+    *,
+    attn_bwd_factor: float = 2.5,
+    doc_len: int = 0,
+    lora: LoraSpec | None = None,
 ) -> dict[str, float]:
     """FLOPs of one row (2 per multiply-add), forward pieces and the three totals.
 
@@ -155,6 +212,9 @@ def step_flops(
     Recomputation adds one forward of the layers, without lm_head, with or without attention.
     doc_len: rows of documents of this length (--documents masked): attention counts the sum of
     their squares instead of T^2 (attention_square); 0: one sequence per row.
+    lora: the frozen weights' gradient products are skipped (backward 1x their forward: the
+    input's gradient only), lm_head's too unless it trains; the adapters' own products (forward,
+    recompute, and a 2x backward) are added to the dense ones.
     """
     c, T = config, seq_len
     dense = 2.0 * sum(_active_matmul_params(c, i) for i in range(c.num_hidden_layers)) * T
@@ -162,10 +222,21 @@ def step_flops(
     square = attention_square(T, doc_len)  # T^2 for one sequence
     attn = c.num_hidden_layers * 2 * (2.0 * square / 2) * c.num_attention_heads * c.head_dim
     model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn
+    dense_bwd, loss = 2 * dense, 3 * lm_head
+    if lora is not None:
+        adapters = sum(math.prod(s) for s in adapter_shapes(c, lora).values())
+        adapter_fwd = 2.0 * adapters * c.num_hidden_layers * T
+        head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
+        loss = (3 if trains(head, lora) else 2) * lm_head
+        dense_bwd = dense + 2 * adapter_fwd  # the frozen weights: their input's gradient only
+        dense += adapter_fwd  # what a recompute runs again
+        model = dense + dense_bwd + loss + (1 + attn_bwd_factor) * attn
     return {
         "dense_fwd": dense,
         "lm_head_fwd": lm_head,
         "attention_fwd": attn,
+        "dense_bwd": dense_bwd,
+        "loss": loss,  # the loss's products, its weight's gradient included when it trains
         "model": model,
         "no_attn_recompute": model + dense,
         "full_recompute": model + dense + attn,

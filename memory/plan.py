@@ -6,55 +6,30 @@
     p.eval_total, p.eval_peak.name          # an evaluation's forward alone (run/evaluate.py)
     python -m memory.report --model qwen3-8b --seq-len 1048576   # train.py --dry-run's table
 
-The step it models is this repository's: FSDP2 over all GPUs with fp32 master weights, bf16
-compute and fp32 gradient reduction; AdamW; Ulysses sequence parallelism (each GPU holds T/sp
-tokens, and every token for heads/sp heads inside attention); each decoder layer keeps only its
-input (in pinned host memory with offload) and is recomputed in backward; the MLP optionally runs
-in row tiles; a one-pass chunked cross-entropy that never builds the logits.
+The step it models is this repository's: FSDP2 over all GPUs, Ulysses sequence parallelism, each
+decoder layer recomputed in backward from what it kept (in pinned host memory or on the GPU, as
+the layout says), the MLP optionally in row tiles, and a chunked cross-entropy that never builds
+the logits. docs/planner.md describes each part and what it is checked against.
 
-It predicts what memory/meter.py measures (torch.cuda.max_memory_allocated): the live tensor
-bytes at the step's largest moment, on the rank holding the largest shards (FSDP2 pads every
-tensor's first dimension to a multiple of the world size). The step is a sequence of moments, each
-a set of typed buffers (Buffer) on top of what is held throughout (Held: the fp32 state and saved
-inputs kept on the GPU): the loss in forward and in backward, then the backward of layers L-1, 1
-and 0 (where FSDP2's buffers peak), each at four moments (the MLP's, the post-attention norm's,
-SDPA's, the q/k norms'), and the optimizer step (held and every gradient shard). The peak is the
-largest. What is held to what: the peak (Plan.total) to the CPU meter's at step 2 within 5% on
-every layout of tests/test_memory_matrix.py (1% on its tied and mixed layouts, also step 1 to
-Plan.first_step_total), and the largest moment of the loss and of the layers' backward to the
-rehearsal's phase peaks within 3% at real shapes (tests/test_rehearsal_shapes.py); the host blocks
-and copied bytes to the pool's, exactly. No other single moment is measured. Not counted: a
-layer's forward (the same gathered units, no gradients). The first step has no AdamW states until
-its optimizer step creates them (Plan.first_step_total). An evaluation (a forward alone, under
-no_grad: nothing saved, no gradients, no checkpointing) is planned apart, as eval_moments on top
-of the fp32 state (the parameter shards and AdamW's states, which exist during a run's
-evaluations after its first step; Plan.eval_total_without_adamw for --eval-only and step 0): a
-layer's forward (the layer gathered, and another one: the next one prefetched, or on CPU the
-all-gather's output still held), the final norm with [norm + lm_head] being gathered, and the
-chunked loss without its gradient buffers; Plan.eval_total, at most Plan.total. It is the
-retrieval evaluation's too (run/retrieval.py): a case is at most a row, and its answer's logits
-([answer tokens, V], a few rows) come after the loss's chunks are freed.
-device="cuda" adds what a CUDA kernel allocates inside itself (FlashAttention's fp32 dq
-accumulator); fused_norm=False models an RMSNorm left to autograd (transformers'), which also
-saves an fp32 copy of its input and the normalised bf16 tensor.
+The one idea: the planner predicts what memory/meter.py measures (torch.cuda.max_memory_allocated),
+the live tensor bytes at the step's largest moment. A moment is one point of the step, such as
+the MLP's backward in layer 0. Each moment is a set of typed buffers (Buffer, memory/buffers.py)
+on top of what is held throughout (Held: the fp32 state and the saved tensors kept on the GPU).
+The moments are the loss in forward and in backward, the backward of layers L-1, 1 and 0 (where
+FSDP2's buffers peak) at four moments each, and the optimizer step. The peak (Plan.total) is the
+largest. It is held within 5% of the CPU meter at step 2 on every layout of
+tests/test_memory_matrix.py, and the host bytes exactly to the offload pool's.
 
-Attention once (save_attention, model/checkpoint_offload.py's apply_offload(save_attention=True)):
-each layer's attention output [T, nh/sp, hd] and fp32 log-sum-exp [nh/sp, T] are kept from the
-forward, so the recompute skips attention's forward (1.52e18 -> 1.20e18 FLOPs at 1M tokens). They go
-to the offload pool's pinned blocks for every layer but the last, whose input, output and
-log-sum-exp stay on the device for the loss moments (backward starts there: a copy would stall it).
-Which layers keep it, and where, is a layout (Options.placements, one LayerPlacement per layer):
-memory/layouts.py picks the fastest that fits the GPU and the host.
+Besides the peak, a plan has the first step's (Plan.first_step_total: no AdamW state yet), an
+evaluation's (Plan.eval_total: a forward alone, nothing saved), the host memory per node, FSDP2's
+CPU offload's cost, and what is kept free on the GPU outside torch's allocator (the CUDA context,
+NCCL's buffers and reserve_gb). Which layers keep their attention, and where, is a layout
+(Options.placements, one LayerPlacement per layer), which memory/layouts.py chooses.
 
-CPU offload (cpu_offload, FSDP2's CPUOffloadPolicy): the fp32 parameter shards, gradient shards and
-AdamW states live in host memory, the parameter and gradient shards pinned one buffer each by
-torch's host allocator (rounded up to a power of two). The GPU keeps one unit's fp32 shards on
-their way in and one unit's gradient shards on their way out; AdamW's CPU time is projected from
-the bytes it touches and an assumed host memory bandwidth (host_gbps).
-
-Kept free on the GPU besides the peak: the CUDA context and NCCL's buffers (CUDA_CONTEXT_GB,
-NCCL_GB_PER_COMMUNICATOR: projected, outside torch's allocator) and reserve_gb of allocator slack.
-With attn_backend="flash", its backward's GQA expansion of dk and dv is counted too.
+LoRA (Options.lora, model/lora.py): the frozen weights' shards in the compute dtype with no
+gradient or AdamW state, the adapters' fp32 shards, gradients and AdamW states, their gradients
+in the layer's moments, no lm_head gradient unless it trains, and layer 0's input on the device
+under a frozen embedding (it needs no grad, so the pool does not move it).
 
 FLOPs count matrix products only (memory/model_size.py's step_flops). Nothing is allocated: every
 size is arithmetic on the config. GB here means 1e9 bytes, GiB 2**30.
@@ -63,12 +38,14 @@ size is arithmetic on the config. GB here means 1e9 bytes, GiB 2**30.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 
 import torch
 
 from memory.buffers import (
     Buffer,
+    documents_state_bytes,
     eval_loss_moments,
     layer_backward_moments,
     layer_forward_moments,
@@ -76,11 +53,13 @@ from memory.buffers import (
 )
 from memory.model_size import (
     FsdpUnits,
+    adapter_shapes,
     fsdp_units,
     host_pinned_bytes,
     param_shapes,
     shard_numel,
     step_flops,
+    trains,
 )
 from model.checkpoint_offload import (
     LayerPlacement,
@@ -89,6 +68,7 @@ from model.checkpoint_offload import (
 )
 from model.config import Qwen3Config
 from model.host_pool import host_bytes_for
+from model.lora import LoraSpec
 from model.parallel import layout_problem
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
 
@@ -129,7 +109,7 @@ class Options:
 
     offload: bool = True  # layer inputs to pinned host memory (model/checkpoint_offload.py)
     offload_min_bytes: int = 0  # smaller tensors stay on the device (the pool's min_bytes)
-    save_attention: bool = False  # attention once (see the module docstring)
+    save_attention: bool = False  # attention once: out and lse kept (docs/planner.md)
     layout_why: str = "given"  # how the layout was decided: given, --layout FILE, or the chooser
     # one LayerPlacement per decoder layer (model/checkpoint_offload.py); None: default_placements
     # from offload and save_attention. Given, it decides both (plan() sets them from it).
@@ -141,7 +121,7 @@ class Options:
     norm_chunk: int = RMSNORM_CHUNK_ELEMS  # elements per row chunk of the norm's fp32 temporaries
     compute_bytes: int = 2
     master_bytes: int = 4
-    cpu_offload: bool = False  # FSDP2's CPU offload of the fp32 state (see the module docstring)
+    cpu_offload: bool = False  # FSDP2's CPU offload of the fp32 state (docs/planner.md)
     device: str = "cuda"  # "cuda": with kernel workspaces a CPU meter cannot see
     gpu_mem_gb: float = 80.0
     reserve_gb: float = 2.0  # kept free besides the CUDA context and NCCL: allocator slack
@@ -153,6 +133,9 @@ class Options:
     tflops: float = 989.0  # dense bf16 TFLOP/s per GPU (H100 SXM)
     mfu: float = 1.0  # the fraction of tflops the times assume; 1.0 gives the floor
     attn_bwd_factor: float = 2.5  # attention's backward FLOPs over its forward's
+    # LoRA (model/lora.py): base weights frozen in compute_bytes, with no gradient or AdamW state;
+    # None: full fine-tuning
+    lora: LoraSpec | None = None
     # --documents masked: rows of documents of this length, attention within each (its FLOPs the
     # sum of the documents' squares); 0: one sequence per row
     doc_len: int = 0
@@ -160,6 +143,8 @@ class Options:
     model: str | None = None  # the model's name in the table
 
     def __post_init__(self):
+        if isinstance(self.lora, dict):  # dataclasses.asdict of an Options, given back
+            object.__setattr__(self, "lora", LoraSpec(**self.lora))
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         for name in ("loss_chunk", "compute_bytes", "master_bytes", "tflops"):
@@ -457,6 +442,7 @@ class _Kept:
 
     device_input: int
     device_attention: int
+    device_documents: int  # documents_state_bytes: the documents' lengths, whatever the placement
     host_input: int  # in the pool: copied out in forward, back one layer ahead in backward
     host_attention: int
     in_pool: bool  # the placement puts something on the host: the pool keeps a group for it
@@ -487,6 +473,7 @@ def _kept(c: Qwen3Config, seq_len: int, sp: int, o: Options, placements) -> tupl
             _Kept(
                 device_input=x - host_input,
                 device_attention=sum(attention) - sum(moved),
+                device_documents=documents_state_bytes(seq_len, o.doc_len, o.device),
                 host_input=host_input,
                 host_attention=sum(moved),
                 in_pool=p.on_host,
@@ -525,9 +512,10 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[di
     before's reduce-scatter output on its way out (CPU: both no-ops).
     """
     L, tied, b = c.num_hidden_layers, c.tie_word_embeddings, o.compute_bytes
-    head_shards = 0 if tied else u.emb_shard + u.norm_shard
-    before = u.layer_gathered if i < L - 1 else (0 if tied else u.head_gathered)
+    tied_grad = tied and trains("model.embed_tokens.weight", o.lora)
     staged = u.layer_shard if o.cpu_offload and o.device == "cuda" else 0
+    head_shards = 0 if tied else u.head_grad_shard  # what trains of it (LoRA: maybe nothing)
+    before = u.layer_grad_gathered if i < L - 1 else (0 if tied else u.head_grad_gathered)
     gathered = {
         Buffer.GATHERED_LAYER: u.layer_gathered * b,
         Buffer.NEXT_UNIT: u.layer_gathered * b if i > 0 else (0 if tied else u.emb_gathered * b),
@@ -535,12 +523,21 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[di
     }
     working = {
         Buffer.REDUCE_SCATTER_INPUT: before * o.master_bytes,
-        Buffer.GRAD_SHARDS: 0 if o.cpu_offload else (L - 1 - i) * u.layer_shard + head_shards,
-        Buffer.TIED_EMBEDDING_GRAD: c.vocab_size * c.hidden_size * b if tied else 0,
+        Buffer.GRAD_SHARDS: 0 if o.cpu_offload else (L - 1 - i) * u.layer_grad_shard + head_shards,
+        Buffer.TIED_EMBEDDING_GRAD: c.vocab_size * c.hidden_size * b if tied_grad else 0,
         Buffer.STAGED_SHARDS: staged,
         Buffer.STAGED_GRADS: staged,
     }
     return gathered, working
+
+
+def _adapter_elements(c: Qwen3Config, lora: LoraSpec | None) -> tuple[int, int] | None:
+    """(a layer's adapter elements, its MLP adapters' elements); None in full fine-tuning."""
+    if lora is None:
+        return None
+    shapes = adapter_shapes(c, lora)
+    mlp = sum(math.prod(s) for k, s in shapes.items() if k.startswith("mlp."))
+    return sum(math.prod(s) for s in shapes.values()), mlp
 
 
 def _step_moments(
@@ -555,6 +552,7 @@ def _step_moments(
     the layers below it, and the host group of the nearest layer below it that has one: the pool
     fetches it one layer ahead (layer 0 comes last: nothing is left to fetch).
     """
+    head_weight = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
     loss = loss_moments(
         c,
         t,
@@ -562,6 +560,7 @@ def _step_moments(
         fused_norm=o.fused_norm,
         compute_bytes=o.compute_bytes,
         device=o.device,
+        head_grad=trains(head_weight, o.lora),
     )
     head = {
         Buffer.GATHERED_HEAD: u.emb_gathered * o.compute_bytes,
@@ -570,6 +569,7 @@ def _step_moments(
     on_device = {
         Buffer.KEPT_INPUTS: sum(k.device_input for k in kept),
         Buffer.KEPT_ATTENTION: sum(k.device_attention for k in kept),
+        Buffer.KEPT_DOCUMENTS: sum(k.device_documents for k in kept),
     }
     moments = []
     for name, working in loss.items():
@@ -587,16 +587,19 @@ def _step_moments(
         device=o.device,
         norm_chunk=o.norm_chunk,
         attn_backend=o.attn_backend,
+        lora_adapters=_adapter_elements(c, o.lora),
     )
     # the device-kept bytes of layers 0..i-1 at index i
     inputs_below = [0, *itertools.accumulate(k.device_input for k in kept)]
     attention_below = [0, *itertools.accumulate(k.device_attention for k in kept)]
+    documents_below = [0, *itertools.accumulate(k.device_documents for k in kept)]
     for i in _backward_layers(kept):
         gathered, fsdp = _fsdp_at_layer(c, o, u, i)
         fetched = next((k for k in reversed(kept[:i]) if k.in_pool), None)
         around = {
             Buffer.KEPT_INPUTS: inputs_below[i],
             Buffer.KEPT_ATTENTION: attention_below[i],
+            Buffer.KEPT_DOCUMENTS: documents_below[i],
             Buffer.NEXT_INPUT: fetched.host_input if fetched else 0,
             Buffer.NEXT_ATTENTION: fetched.host_attention if fetched else 0,
         }
@@ -694,7 +697,9 @@ def _cpu_offload_cost(c: Qwen3Config, layout: Layout, o: Options, u: FsdpUnits) 
 
 def _flops(c: Qwen3Config, seq_len: int, layout: Layout, o: Options, placements) -> Flops:
     """A layer that keeps its attention skips attention's forward in its recompute."""
-    per_row = step_flops(c, seq_len, attn_bwd_factor=o.attn_bwd_factor, doc_len=o.doc_len)
+    per_row = step_flops(
+        c, seq_len, attn_bwd_factor=o.attn_bwd_factor, doc_len=o.doc_len, lora=o.lora
+    )
     dp, rate = layout.dp, layout.gpus * o.tflops * 1e12 * o.mfu
     recomputed = sum(p.attention == "recompute" for p in placements) / c.num_hidden_layers
     run = dp * (per_row["no_attn_recompute"] + recomputed * per_row["attention_fwd"])
@@ -734,6 +739,10 @@ def plan(
         placements = default_placements(L, save_attention=o.save_attention, offload=o.offload)
     if len(placements) != L:
         raise ValueError(f"placements: {len(placements)} for {L} decoder layers (one each)")
+    if o.lora is not None and not trains("model.embed_tokens.weight", o.lora):
+        # a frozen embedding's output needs no grad, so the pool leaves layer 0's input where
+        # the checkpoint saved it (model/checkpoint_offload.py): on the device
+        placements = [replace(placements[0], input="device"), *placements[1:]]
     o = replace(
         o,
         tiled_mlp=not untiled,
@@ -745,8 +754,8 @@ def plan(
     )
     layout = Layout(gpus, sp, dp, gpus_per_node or min(gpus, 8))
     t = seq_len // sp
-    u = fsdp_units(config, gpus, o.master_bytes)
-    state = ShardedState(u.all_shards, u.all_shards, 2 * u.all_shards)
+    u = fsdp_units(config, gpus, o.master_bytes, o.lora, o.compute_bytes)
+    state = ShardedState(u.all_shards, u.trainable_shards, 2 * u.trainable_shards)
     held = Held(
         param_shards=0 if o.cpu_offload else state.params,
         adamw_states=0 if o.cpu_offload else state.adamw,

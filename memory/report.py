@@ -194,8 +194,17 @@ def _format_header(p: Plan) -> list[str]:
         f"offload {'on' if o.offload else 'off'}, tiled MLP {tile}, loss chunk {o.loss_chunk}, "
         f"{norm} RMSNorm, {8 * o.compute_bytes}-bit compute, "
         f"{8 * o.master_bytes}-bit master weights and AdamW"
-        + (" in host memory (CPU offload)" if o.cpu_offload else ""),
+        + (" in host memory (CPU offload)" if o.cpu_offload else "")
+        + (_lora_words(o.lora) if o.lora else ""),
     ]
+
+
+def _lora_words(lora) -> str:
+    train = f" + {', '.join(lora.train)}" if lora.train else ""
+    return (
+        f"; LoRA rank {lora.rank} on {', '.join(lora.targets)}{train}: the rest frozen in "
+        f"the compute dtype, no gradient or AdamW state"
+    )
 
 
 def _format_gpu(p: Plan) -> list[str]:
@@ -206,7 +215,7 @@ def _format_gpu(p: Plan) -> list[str]:
     return [
         f"{'per GPU (GB = 1e9 B)':48}{'GB':>9}",
         _row(
-            "fp32 parameter shards",
+            "parameter shards (LoRA: frozen 16-bit + fp32)" if o.lora else "fp32 parameter shards",
             held.param_shards,
             "(in host memory: --cpu-offload)" if o.cpu_offload else None,
         ),
@@ -537,7 +546,8 @@ def format_plan(p: Plan, *, longest: bool = True, rates: Rates | None = None) ->
     out = [*_format_header(p), "", *_format_gpu(p), "", *_format_host(p), "", *_format_flops(p)]
     out += ["", *_format_step_time(p, rates), _format_startup(p, rates)]
     out += ["", *_format_attention_choice(p, longest, rates)]
-    out += ["", *_format_cpu_offload_choice(p, longest)]
+    if p.options.lora is None:  # LoRA's fp32 state is the adapters': nothing to offload
+        out += ["", *_format_cpu_offload_choice(p, longest)]
     if longest:
         out += ["", *_format_longest(p, rates)]
     out += ["", *_format_recipe(p, rates)]

@@ -162,17 +162,17 @@ def kernel_flops(config: Qwen3Config, seq_len: int, *, recomputed_layers: int, *
     """step_flops(config, seq_len, **kw) split into phases and kernels; recomputed_layers of the
     config's layers run attention's forward again in their recompute (the others keep it)."""
     f = step_flops(config, seq_len, **kw)
-    dense, attn, lm = f["dense_fwd"], f["attention_fwd"], f["lm_head_fwd"]
+    dense, attn = f["dense_fwd"], f["attention_fwd"]
     dense_recompute = f["no_attn_recompute"] - f["model"]  # the layers' forward bar attention
     attn_recompute = f["full_recompute"] - f["no_attn_recompute"]  # every layer's attention
     return KernelFlops(
         dense_fwd=dense,
         attention_fwd=attn,
-        loss=3 * lm,
+        loss=f["loss"],
         dense_recompute=dense_recompute,
         attention_recompute=attn_recompute * recomputed_layers / config.num_hidden_layers,
-        dense_bwd=2 * dense,
-        attention_bwd=f["model"] - 3 * (dense + lm) - attn,
+        dense_bwd=f["dense_bwd"],
+        attention_bwd=f["model"] - dense - f["dense_bwd"] - f["loss"] - attn,
     )
 
 
@@ -405,7 +405,9 @@ def _phase(
 def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) -> StepTime:
     """The step of plan `p` on each of its GPUs, at `rates` (default: assumed_rates()); doc_len:
     rows of documents of that length (--documents masked), attention per document; 0: one
-    sequence per row; None: as the plan counts (its options.doc_len)."""
+    sequence per row; None: as the plan counts (its options.doc_len). A row of documents is
+    one attention kernel per layer and direction on a GPU (flash with cumulative lengths), so
+    its attention is timed as one kernel of the documents' FLOPs, with no cost per document."""
     r = rates or assumed_rates()
     c, lay, o = p.config, p.layout, p.options
     doc_len = o.doc_len if doc_len is None else doc_len
@@ -416,6 +418,7 @@ def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) 
         recomputed_layers=p.recomputed_layers,
         attn_bwd_factor=o.attn_bwd_factor,
         doc_len=doc_len,
+        lora=o.lora,
     )
     # each of a row's sp GPUs runs 1/sp of its FLOPs: rates in FLOP/s per row
     mm, af, ab, lo = (
@@ -427,6 +430,8 @@ def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) 
     elements = gathered // o.compute_bytes
     fsdp = (r.nvlink_gbps if W <= lay.gpus_per_node else r.internode_gbps) * GB
     gather = gathered * (W - 1) / W / fsdp
+    if o.lora is not None:  # only what trains is reduced: a layer's adapters (and norms)
+        elements = p.state.grads // o.master_bytes // L
     reduce = elements * o.master_bytes * (W - 1) / W / fsdp  # gradients reduced in fp32
     pcie = r.pcie_gbps * GB
     pool = p.host.offload_bytes_per_step / 2 / L / pcie  # out in forward, back in backward
@@ -459,7 +464,8 @@ def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) 
     if o.cpu_offload:
         adamw = {"CPU AdamW": p.cpu_offload_cost.adamw_time_s}
     else:
-        adamw = {"AdamW on the GPU": params_per_gpu(c, W) * r.adamw_s_per_param}
+        trained = params_per_gpu(c, W) if o.lora is None else p.state.grads // o.master_bytes
+        adamw = {"AdamW on the GPU": trained * r.adamw_s_per_param}
     optimizer = _phase("optimizer (clip + AdamW)", 0.0, adamw)
     per_gpu = p.flops.step / W * _flops(k) / _flops(_stream(c, p, o))  # the plan's, per document
     return StepTime((forward, loss, backward, optimizer), per_gpu, per_gpu / (o.tflops * 1e12), r)

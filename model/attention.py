@@ -4,6 +4,7 @@
     set_backend(choice.name)                  # every attention() call now runs this kernel
     out = attention(q, k, v)                  # q [B, T, nh, hd], k, v [B, T, nkv, hd] -> like q
     out = attention(q, k, v, doc_lens=(n1, n2, ...))   # causal within each document of T
+    set_documents_kernel("varlen")            # how calls with doc_lens run ("segments": per one)
 
 Backends (`pick_backend` chooses, `BACKENDS` describes):
   cudnn      aten._scaled_dot_product_cudnn_attention: SDPA's own first choice on H100/H200 with
@@ -23,23 +24,20 @@ head_dim; torch's preference rule (cudnn_gate) says whether cuDNN is first; a pr
 (model/attention_probe.py's choose_kernel passes probe_kernel on CUDA), runs each candidate once
 at the run's own per-rank layout and length and passes over one that fails, naming why.
 
-Attention once. Whole-layer checkpointing runs a layer's forward twice: in forward, and again in
-backward to rebuild what the layer saved. At a million tokens attention is ~96% of a layer's FLOPs,
-so the second run is ~21% of the step. An `AttentionStore` is the fix: the checkpoint wrapper
-(model/checkpoint_offload.py) passes one to every attention() call of a layer's body
-(attention(..., store=store)); in the body's first run each call keeps its (out, lse) in the
-store (on the host when offloading), and in any later run (checkpoint's recompute, which the
-wrapper announces with store.begin(replaying=True)) it hands them back instead of running the
-kernel. The
-recompute still rebuilds q, k, v (norms, projections, RoPE, Ulysses' exchanges: backward needs
-them; a few percent of the layer) and everything after attention; the attention backward then
-gets (q, k, v, out, lse) exactly as if nothing had been dropped. Nothing here imports
-torch.distributed.
+Attention once. Whole-layer checkpointing runs a layer's forward twice (forward, and again in
+backward); at a million tokens attention is ~96% of a layer's FLOPs, so the second run is ~21% of
+the step. The checkpoint wrapper (model/checkpoint_offload.py) passes an `AttentionStore` to the
+attention() calls of a layer's body: the first run keeps each call's (out, lse) in it (on the host
+when offloading); a recompute (store.begin(replaying=True)) gets them back instead of running the
+kernel, and still rebuilds q, k, v (a few percent of the layer), so the attention backward gets
+(q, k, v, out, lse) as if nothing had been dropped. Nothing here imports torch.distributed.
 
-Documents (doc_lens): a sequence of several documents runs the same kernel on each document's
-segment of T, in order, writing out and lse into one tensor each, laid out as one call's; the
-backward runs each segment's backward. So attention once keeps one (out, lse) per layer as for a
-single sequence, every backend serves, and attention costs the sum of the squared lengths.
+Documents (doc_lens): causal within each document of the row. On CUDA ("varlen") one flash call
+with cumulative lengths (aten._flash_attention_forward / _backward) per layer and direction takes
+every document: no kernel, graph or kept state per document. Elsewhere ("segments") the stream's
+kernel runs once per document into one out and lse; a one-token document takes a closed form
+(out = v), as cuDNN's backward refuses s_q = s_kv = 1. Either way (out, lse) are laid out as one
+call's, so attention once keeps them as for a single sequence.
 """
 
 from __future__ import annotations
@@ -57,13 +55,18 @@ __all__ = [
     "CUDNN_PREFERRED_ABOVE",
     "MATH_MAX_TOKENS",
     "AttentionStore",
+    "DOCUMENT_KERNELS",
     "BackendChoice",
     "attention",
+    "cumulative_lengths",
+    "documents_kernel",
+    "get_documents_kernel",
     "cudnn_gate",
     "get_backend",
     "pick_backend",
     "saved_attention_bytes",
     "set_backend",
+    "set_documents_kernel",
     "torch_cudnn_gate",
 ]
 
@@ -259,6 +262,27 @@ def get_backend() -> str | None:
     return _PINNED
 
 
+DOCUMENT_KERNELS = {
+    "varlen": "flash attention with cumulative lengths: every document of a row in one call",
+    "segments": "the stream's kernel once per document (a one-token one in closed form)",
+}
+_DOCUMENTS_PINNED: str | None = None  # set_documents_kernel's choice; None: documents_kernel's
+
+
+def set_documents_kernel(name: str | None) -> None:
+    """Pin how every attention() call with doc_lens runs (None: documents_kernel's pick)."""
+    global _DOCUMENTS_PINNED
+    if name is not None and name not in DOCUMENT_KERNELS:
+        raise ValueError(
+            f"documents kernel {name!r} is unknown; pick one of {', '.join(DOCUMENT_KERNELS)}"
+        )
+    _DOCUMENTS_PINNED = name
+
+
+def get_documents_kernel() -> str | None:
+    return _DOCUMENTS_PINNED
+
+
 @functools.lru_cache(maxsize=64)
 def _auto_backend(
     device: torch.device, dtype, nh: int, nkv: int, hd: int, short: bool, flags
@@ -450,21 +474,22 @@ def _inverse(order: list) -> list:
 
 class _AttentionCore(torch.autograd.Function):
     """Causal attention on [B, heads, T, hd] views; saves (q, k, v, out, lse) for its backward.
-    With doc_lens, causal attention within each document's segment of T (see _segments)."""
+    With doc_lens, causal attention within each document's segment of T: `documents` "varlen"
+    (one flash call) or "segments" (the backend's kernel on each, see _segments_forward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, backend, doc_lens=None, store=None):
+    def forward(ctx, q, k, v, backend, doc_lens=None, store=None, documents="segments"):
         if store is not None and store.replaying:
             out, lse = store.take()  # the recompute: the forward's results, no kernel
         else:
             if doc_lens is None:
                 out, lse, aux = _forward(backend, q, k, v)
             else:
-                out, lse, aux = _segments_forward(backend, q, k, v, doc_lens)
+                out, lse, aux = _documents_forward(documents, backend, q, k, v, doc_lens)
             ctx.aux = aux
             if store is not None:
                 store.put(out, lse)
-        ctx.backend, ctx.doc_lens = backend, doc_lens
+        ctx.backend, ctx.doc_lens, ctx.documents = backend, doc_lens, documents
         ctx.save_for_backward(
             q, k, v, out, lse
         )  # same tensors, same order, in forward and recompute
@@ -476,8 +501,8 @@ class _AttentionCore(torch.autograd.Function):
         if ctx.doc_lens is None:
             dq, dk, dv = _backward(ctx.backend, dout, q, k, v, out, lse, ctx.aux)
         else:
-            dq, dk, dv = _segments_backward(ctx, dout, q, k, v, out, lse)
-        return dq, dk, dv, None, None, None
+            dq, dk, dv = _documents_backward(ctx, dout, q, k, v, out, lse)
+        return dq, dk, dv, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -493,18 +518,123 @@ def _segments(doc_lens) -> list[tuple[int, int]]:
     return bounds
 
 
+@functools.lru_cache(maxsize=64)  # attention() asks on every call with doc_lens when unpinned
+def documents_kernel(backend: str, device, dtype, nh: int, nkv: int, hd: int) -> str:
+    """The documents kernel that goes with stream kernel `backend` when none is pinned: "varlen"
+    (flash with cumulative lengths) on CUDA where torch's checks let flash run these shapes,
+    else "segments"."""
+    device = torch.device(device)
+    if backend in ("cudnn", "flash") and device.type == "cuda":
+        if _torch_can_use("flash", device, dtype, nh, nkv, hd):
+            return "varlen"
+    return "segments"
+
+
+def _documents_forward(kernel: str, backend: str, q, k, v, doc_lens):
+    if kernel == "varlen":
+        return _varlen_forward(q, k, v, doc_lens)
+    return _segments_forward(backend, q, k, v, doc_lens)
+
+
+def _documents_backward(ctx, dout, q, k, v, out, lse):
+    if ctx.documents == "varlen":
+        return _varlen_backward(ctx.aux, dout, q, k, v, out, lse)
+    return _segments_backward(ctx, dout, q, k, v, out, lse)
+
+
+def cumulative_lengths(doc_lens, batch: int, device) -> torch.Tensor:
+    """int32 [batch * documents + 1]: where each document of each row starts in the rows laid end
+    to end, then the total (flash's cum_seq_q / cum_seq_k). Empty documents are dropped."""
+    lens = [n for n in doc_lens if n > 0] * batch
+    cum = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    cum[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    return cum.to(device)
+
+
+def _packed(t):
+    """[B, heads, T, hd] (a view of [B, T, heads, hd]) -> [B * T, heads, hd], contiguous."""
+    B, h, T, hd = t.shape
+    return t.transpose(1, 2).reshape(B * T, h, hd).contiguous()
+
+
+def _varlen_forward(q, k, v, doc_lens):
+    """Every document of every row in one flash call with cumulative lengths: out laid out as
+    q [B, nh, T, hd] (a view of [B, T, nh, hd]) and lse [B, nh, T] fp32, as one call's; aux
+    (cumulative lengths, the longest document, flash's rng state) for the backward."""
+    B, nh, T, hd = q.shape
+    cum = cumulative_lengths(doc_lens, B, q.device)
+    longest = max(doc_lens)
+    out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+        _packed(q), _packed(k), _packed(v), cum, cum, longest, longest, 0.0, True, False
+    )
+    if tuple(lse.shape) != (nh, B * T):  # flash's varlen lse is [heads, tokens]
+        raise RuntimeError(
+            f"flash attention's variable-length log-sum-exp came back {tuple(lse.shape)}, "
+            f"not [heads, tokens] = [{nh}, {B * T}]"
+        )
+    out = out.view(B, T, nh, hd).transpose(1, 2)  # [B, nh, T, hd], q's memory order
+    lse = lse.view(nh, B, T).transpose(0, 1)  # [B, nh, T]
+    return out, lse, (cum, longest, rng, unused)
+
+
+def _varlen_backward(aux, dout, q, k, v, out, lse):
+    """flash's variable-length backward on the packed rows; dq, dk, dv as [B, heads, T, hd]."""
+    cum, longest, rng, unused = aux
+    B, nh, T, hd = q.shape
+    lse_packed = lse.transpose(0, 1).reshape(nh, B * T).contiguous()  # back to [heads, tokens]
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        _packed(dout),
+        _packed(q),
+        _packed(k),
+        _packed(v),
+        _packed(out),
+        lse_packed,
+        cum,
+        cum,
+        longest,
+        longest,
+        0.0,
+        True,
+        rng,
+        unused,
+    )
+    return (g.view(B, T, *g.shape[1:]).transpose(1, 2) for g in (dq, dk, dv))
+
+
+def _one_token_forward(q, k, v):
+    """A one-token causal segment: its query sees its own key only, so out is v (repeated to the
+    query heads) and lse is the one score. No kernel: cuDNN's backward refuses s_q = s_kv = 1."""
+    g = q.shape[1] // k.shape[1]
+    score = (_acc(q) * _acc(k).repeat_interleave(g, dim=1)).sum(-1) * q.shape[-1] ** -0.5
+    return v.repeat_interleave(g, dim=1), score  # [B, nh, 1, hd], [B, nh, 1]
+
+
+def _one_token_backward(dout, q, k, v):
+    """out = v does not depend on q or k: dq = dk = 0, and dv sums dout over each kv head's
+    query heads."""
+    B, nkv = k.shape[:2]
+    dv = dout.reshape(B, nkv, -1, *dout.shape[2:]).sum(2)
+    return torch.zeros_like(q), torch.zeros_like(k), dv.to(v.dtype)
+
+
 def _segments_forward(backend: str, q, k, v, doc_lens):
     """The kernel run on each document's [s, e) of T, its out and lse written into one out like
     q (the same layout as one call's) and one lse [B, nh, T(, 1)]: attention once keeps the pair
-    as it keeps a single call's. aux: each segment's own, for its backward."""
+    as it keeps a single call's. aux: each segment's own, for its backward. A one-token segment
+    takes _one_token_forward, which every backend agrees with."""
+    B, nh, T, _ = q.shape
     out = torch.empty_like(q)  # [B, nh, T, hd], q's memory layout
-    lse, auxes = None, []
+    trailing = (1,) if backend == "cudnn" else ()  # cuDNN's lse is [B, nh, T, 1]
+    lse = torch.empty((B, nh, T, *trailing), dtype=_acc(q[:0]).dtype, device=q.device)
+    auxes = []
     for s, e in _segments(doc_lens):
-        o, l_seg, aux = _forward(backend, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
-        if lse is None:  # [B, nh, T] fp32; cuDNN's has a trailing 1
-            lse = l_seg.new_empty((*l_seg.shape[:2], q.shape[2], *l_seg.shape[3:]))
+        one = (q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
+        if e - s == 1:
+            (o, l_seg), aux = _one_token_forward(*one), None
+        else:
+            o, l_seg, aux = _forward(backend, *one)
         out[:, :, s:e].copy_(o)
-        lse[:, :, s:e].copy_(l_seg)
+        lse[:, :, s:e].copy_(l_seg.reshape(lse[:, :, s:e].shape))
         auxes.append(aux)
         del o, l_seg
     return out, lse, auxes
@@ -515,16 +645,12 @@ def _segments_backward(ctx, dout, q, k, v, out, lse):
     dv laid out like q, k, v."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for (s, e), aux in zip(_segments(ctx.doc_lens), ctx.aux, strict=True):
-        grads = _backward(
-            ctx.backend,
-            dout[:, :, s:e],
-            q[:, :, s:e],
-            k[:, :, s:e],
-            v[:, :, s:e],
-            out[:, :, s:e],
-            lse[:, :, s:e].contiguous(),  # [B, nh, e - s]: the kernels read it densely
-            aux,
-        )
+        one = (dout[:, :, s:e], q[:, :, s:e], k[:, :, s:e], v[:, :, s:e])
+        if e - s == 1:
+            grads = _one_token_backward(*one)
+        else:
+            # lse [B, nh, e - s]: the kernels read it densely
+            grads = _backward(ctx.backend, *one, out[:, :, s:e], lse[:, :, s:e].contiguous(), aux)
         for whole, part in zip((dq, dk, dv), grads, strict=True):
             whole[:, :, s:e].copy_(part)
         del grads
@@ -549,6 +675,7 @@ def attention(
     backend: str | None = None,
     doc_lens: tuple[int, ...] | None = None,
     store: AttentionStore | None = None,
+    documents: str | None = None,
 ) -> torch.Tensor:
     """Causal attention. q [B, T, nh, hd], k and v [B, T, nkv, hd] -> [B, T, nh, hd].
 
@@ -556,7 +683,9 @@ def attention(
     (which respects torch.nn.attention.sdpa_kernel, as torch's checks do).
     With a store it keeps (forward) or replays (recompute) its (out, lse).
     doc_lens (ints summing to T): T is documents one after another, and each token attends only
-    to the tokens of its own document before it (the kernel once per document; None: one).
+    to the tokens of its own document before it. documents: how ("varlen": one flash call with
+    cumulative lengths; "segments": the backend's kernel once per document), else the pinned
+    one (set_documents_kernel), else documents_kernel's pick.
     """
     B, T, nh, hd = q.shape
     nkv = k.shape[2]
@@ -588,7 +717,13 @@ def attention(
             enable_gqa=nh != nkv,
         )
         return out.transpose(1, 2)
+    if doc_lens is not None:
+        documents = (
+            documents
+            or _DOCUMENTS_PINNED
+            or documents_kernel(backend, q.device, q.dtype, nh, nkv, hd)
+        )
     out = _AttentionCore.apply(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend, doc_lens, store
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend, doc_lens, store, documents
     )  # [B, nh, T, hd]
     return out.transpose(1, 2)  # [B, T, nh, hd]

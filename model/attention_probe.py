@@ -6,7 +6,11 @@ its last rows against an fp32 reference.
     reason = probe_kernel("cudnn", "cuda", torch.bfloat16, 4, 1, 128, tokens=1_048_576)  # None: ok
     q, k, v, dout = training_layout(532_480, 32, 8, 128, torch.bfloat16, "cuda")
     reason = check_attention(functools.partial(attention, backend="flash"), q, k, v, dout)
+    way = choose_documents_kernel("cuda", torch.bfloat16, config, 1_048_576, 8, "cudnn",
+                                  probe=functools.partial(probe_documents_kernel, backend="cudnn"))
 
+choose_documents_kernel is the same rule for how a row of documents runs ("varlen", else
+"segments"), its probe a row of documents with one-token ones among them (probe_documents).
 choose_kernel is the one rule train.py (run/build.py) and bench/gpu_check.py choose by: the
 candidates pick_backend (model/attention.py) allows, each probed once at the shape this rank's
 attention runs in training: after Ulysses' exchange, heads/sp query heads and kv heads/sp (at
@@ -37,14 +41,23 @@ import math
 
 import torch
 
-from model.attention import BackendChoice, attention, pick_backend, torch_cudnn_gate
+from model.attention import (
+    BackendChoice,
+    attention,
+    documents_kernel,
+    pick_backend,
+    torch_cudnn_gate,
+)
 
 __all__ = [
     "PROBE_ROWS",
     "PROBE_TOKENS",
     "PROBE_TOLERANCE",
     "check_attention",
+    "choose_documents_kernel",
     "choose_kernel",
+    "probe_documents",
+    "probe_documents_kernel",
     "last_rows_reference",
     "probe_kernel",
     "rank_attention_shape",
@@ -101,10 +114,11 @@ def _one_line(e: Exception) -> str:
 
 
 def check_attention(
-    attend, q, k, v, dout, *, rows: int = PROBE_ROWS, tol: float = PROBE_TOLERANCE
+    attend, q, k, v, dout, *, rows: int = PROBE_ROWS, tol: float = PROBE_TOLERANCE, last_doc=0
 ) -> str | None:
     """Run attend(q, k, v) -> out [1, T, nh, hd] forward and backward; None if every result is
-    finite and the last rows agree with last_rows_reference within tol, else what went wrong."""
+    finite and the last rows agree with last_rows_reference within tol, else what went wrong.
+    last_doc: where the row's last document starts (documents: the reference sees only it)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     try:
         out = attend(q, k, v)
@@ -114,7 +128,8 @@ def check_attention(
     except Exception as e:  # a kernel's refusal or failure is the probe's answer, not a crash
         return _one_line(e)
     got = {"out": out, "dq": dq, "dk": dk, "dv": dv}
-    ref = last_rows_reference(q.detach(), k.detach(), v.detach(), dout, rows)
+    tail = (t.detach()[:, last_doc:] for t in (q, k, v, dout))
+    ref = last_rows_reference(*tail, rows)
     for name, t in got.items():
         if not torch.isfinite(t).all():
             return f"{name} is not finite"
@@ -146,6 +161,63 @@ def probe_kernel(
     tokens = PROBE_TOKENS if tokens is None else tokens
     q, k, v, dout = training_layout(tokens, num_heads, num_kv_heads, head_dim, dtype, device)
     return check_attention(functools.partial(attend, backend=name), q, k, v, dout)
+
+
+def probe_documents(tokens: int) -> tuple[int, ...]:
+    """Document lengths summing to `tokens` for the documents probe: a one-token document first,
+    between two others and second to last, lengths not a multiple of 128, and the longest last
+    (the one the reference checks)."""
+    head = [1, 131, 1, 1, 77, 1, 1000, 1]
+    if tokens < 2 * sum(head):
+        return (1, tokens // 2 - 1, 1, tokens - tokens // 2 - 1)
+    return (*head, tokens - sum(head))
+
+
+def probe_documents_kernel(
+    name: str,
+    device,
+    dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    backend: str,
+    tokens: int | None = None,
+    attend=attention,
+) -> str | None:
+    """The probe for how documents run (model/attention.py's DOCUMENT_KERNELS: "varlen" or
+    "segments"), next to the stream kernel `backend`: a row of probe_documents(tokens) in the
+    training layout, forward and backward; None if it runs and agrees, else why not."""
+    tokens = PROBE_TOKENS if tokens is None else tokens
+    lens = probe_documents(tokens)
+    q, k, v, dout = training_layout(tokens, num_heads, num_kv_heads, head_dim, dtype, device)
+    attend = functools.partial(attend, backend=backend, doc_lens=lens, documents=name)
+    return check_attention(attend, q, k, v, dout, last_doc=tokens - lens[-1])
+
+
+def choose_documents_kernel(
+    device, dtype, config, seq_len: int, sp: int, backend: str, *, probe=None
+) -> BackendChoice:
+    """How a run of documents (--documents masked) runs them next to stream kernel `backend`:
+    "varlen" where documents_kernel allows it (CUDA, flash able to run these heads), else or when
+    its probe fails "segments", probed too. probe(name, device, dtype, nh, nkv, hd, tokens=...)
+    (train.py: probe_documents_kernel with backend bound, agreed over ranks; None: no probe).
+    Raises ValueError (one line) when neither runs."""
+    device = torch.device(device)
+    shape = rank_attention_shape(config, seq_len, sp)
+    tokens = shape.pop("seq_len")
+    heads = (shape["num_heads"], shape["num_kv_heads"], shape["head_dim"])
+    first = documents_kernel(backend, device, dtype, *heads)
+    passed = []
+    for name in dict.fromkeys((first, "segments")):
+        reason = probe(name, device, dtype, *heads, tokens=tokens) if probe else None
+        if reason is None:
+            return BackendChoice(name, tuple(passed))
+        passed.append(f"{name}: {reason}")
+    raise ValueError(
+        f"attention: no way to run documents next to the {backend} kernel on {device} "
+        f"({'; '.join(passed)}); run with --documents stream or another --attn-backend"
+    )
 
 
 def rank_attention_shape(config, seq_len: int, sp: int) -> dict:

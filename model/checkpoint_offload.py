@@ -1,102 +1,42 @@
-"""Checkpoint with offload: each decoder layer keeps only its input, in host memory or on the GPU.
+"""Checkpoint with offload: each decoder layer is recomputed in backward, and what it keeps for
+that (its input, and optionally attention's output and log-sum-exp) waits in host memory or on
+the GPU, as one placement per layer says.
 
-To use it elsewhere: copy this file and model/host_pool.py; they need torch only. README's "Use a
-piece in your own code" applies offload_layers to transformers' Qwen3ForCausalLM.
+To use it elsewhere: copy this file and model/host_pool.py next to each other; they need torch
+only. A flat copy makes its own pool and calls offload_layers, as docs/pieces.md does on
+transformers' Qwen3ForCausalLM:
 
-    pool = apply_offload(model, tile_mlp=8192)    # every model.model.layers[i], in place
-    offload_layers(hf_model.model.layers, pool)   # or any list of decoder layers, any pool
+    from host_pool import HostPool                # model.host_pool inside this repository
+    pool = HostPool(min_bytes=1 << 20)            # inputs of 1 MiB and more go to the host
+    offload_layers(hf_model.model.layers, pool)   # any list of decoder layers, in place
     offload_layers(layers, pool, placements=[LayerPlacement("device", "host"), ...])  # per layer
     for kind in offloaded_tensors(config, T, sp=8, dtype=torch.bfloat16):  # before step 1
         pool.reserve(kind.count, kind.shape, kind.dtype, "cuda")           # (placements=...)
     loss.backward(); opt.step()
     log(pool.reset_step())                        # bytes moved each way this step, pool size
     remove_offload(model)                         # the layers' own forwards again
+    pool = apply_offload(model, tile_mlp=8192)    # inside this repository: the pool made for you
 
-The baseline, in three lines of torch:
+apply_offload, tile_mlp and save_attention import model/host_pool.py, model/tiled_mlp.py and
+model/attention.py by their package names, so they work inside this repository only.
+
+The one idea. Torch's own baseline is three lines:
 
     with torch.autograd.graph.save_on_cpu(pin_memory=True):
         for layer in layers:
             x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, use_reentrant=False)
 
-Non-reentrant checkpoint saves only its inputs through the saved-tensor hooks around it, so this
-already keeps nothing of a layer but its inputs, on the host. What each addition here buys:
-  * only the layer input moves: the pool (model/host_pool.py) copies just the tensors that need
-    grad (the hidden state), so the RoPE tables every layer shares stay on the device once
-    instead of being copied for every layer, and parameters and DTensors never move.
-  * pinned reusable blocks instead of per-step pinning: save_on_cpu pins a fresh buffer per
-    tensor per step, which torch's host allocator rounds up to a power of two (a 3 GiB input pins
-    4); the pool pins its blocks once, before step 1, at most 1.6% over the inputs.
-  * copies on side streams, overlapped with compute: save_on_cpu copies on the compute stream,
-    so the layer waits for its own input's copy; here it runs while the layer computes.
-  * prefetch one layer ahead: save_on_cpu copies an input back when the recompute asks for it,
-    and the recompute waits; here that copy starts while the layer after it (in forward order)
-    recomputes.
-  * attention once (save_attention=True): attention's (out, lse) go to the host too, so the
-    recompute skips attention's forward (~96% of a layer's FLOPs at a million tokens).
-  * a tiled MLP (tile_mlp) skips its tile loop in the recompute: only its saved input is needed
-    there (model/tiled_mlp.py's output_unused): 11 MLP GEMMs per layer a step instead of 14.
-    A mixture-of-experts block (model/moe.py) skips its experts in every recompute the same way.
-  * one LayerReplay per layer call holds what a recompute does differently (the prefetch, the
-    attention store, the tiled MLP's skip), in the order it does it; no module-level state.
-Why not torch's selective activation checkpointing (SAC) for attention: SAC decides per op
-whether to save or recompute, so it can save attention's outputs, but it keeps what it saves as
-device tensors in its own cache, not through saved-tensor hooks: no save_on_cpu or pool around
-it can move them, and there is no per-op offload. 35 layers' attention at 1M tokens over 8 GPUs
-(1 GiB each per GPU) would stay on the card.
-
-At 1M tokens over 8 GPUs a layer input is 131,072 x 4096 x 2 B = 1 GiB per GPU, 36 GiB for the
-model: the largest thing on the card. Why not a custom autograd.Function (reentrant style): that
-would run a nested backward per layer and hide the parameters from the outer graph. Here the
-gradients flow through the layer's original forward graph into the same parameters (FSDP2's
-unsharded ones), so FSDP2's pre-backward all-gather and post-backward reduce-scatter work exactly
-as without us.
+This file works the same way (non-reentrant checkpoint saves a layer's inputs through the
+saved-tensor hooks around it) but makes the copies cheap: of the inputs only the hidden state moves,
+into pinned blocks reused every step, on side streams, and each comes back one layer ahead. With
+save_attention the recompute also skips attention's forward; a tiled MLP skips its tiles, and a
+mixture-of-experts block (model/moe.py) its experts, in every recompute.
+docs/offload.md tells a layer input's journey in the order it happens, and why not save_on_cpu.
 
 Any decoder layer works: a module whose forward takes tensors and keyword arguments (ours, or
-transformers' Qwen3DecoderLayer with its attention_mask=..., position_embeddings=...). Under grad
-a KV cache is not passed on (past_key_values=None, use_cache=False, as transformers' own
-gradient checkpointing does): the recompute would fill it twice. Tensor
-keyword arguments are handed to checkpoint positionally, since it saves only positional inputs
-through the hooks (a hidden state passed by keyword would otherwise stay on the device).
-Attention once needs the layer's attention to call model.attention.attention (ours does); other
-layers keep nothing in the store and recompute attention as plain checkpointing does. tile_mlp
-needs a SwiGLU `mlp` submodule with gate_proj, up_proj and down_proj (model/tiled_mlp.py).
-Those two, and apply_offload's default pool, import their module of this package where they are
-used, so offload_layers with a HostPool of one's own runs on this file and host_pool.py alone.
-
-The wrapper replaces the layer *instance's* `forward` (nothing is inserted into the module tree,
-so state_dict keys are unchanged). FSDP2 hooks live on `__call__`, so they run around it whether
-fully_shard came before or after apply_offload; the recompute calls the plain body inside
-backward, after FSDP2's pre-backward hook has gathered the parameters again. A replaced
-`self_attn.attn_fn` runs in forward and recompute like any other code in the body.
-
-Attention once: each layer call gives its attention core a fresh model.attention.AttentionStore
-(as store=, through LayerReplay), whose attention() calls keep (out, lse) in the forward, as host
-copies from the pool, and hand them back in the recompute instead of running the kernel again.
-The pool keeps them in one group with the layer's input, so the three copies back start
-together, one layer ahead: when the layer after it (in forward order) begins its recompute. The
-last layer keeps its input and attention on the device (backward starts with it, so a copy there
-would stall), and its recompute starts the copies back of the layer before it.
-
-Placement per layer (LayerPlacement, one per layer in placements=): the input on the "host" or
-the "device" (checkpointed, not moved: the pool's hooks are not installed around it), attention
-on the "host", the "device" (the store keeps the kernel's own tensors) or "recompute" (no store).
-default_placements is the paragraph above: every input on the host, with save_attention every
-attention too but the last layer's two on the device. Any mix gives the same gradients; what
-goes to the host is one group in the pool, so a layer's copies back start while the nearest
-layer after it that has a group recomputes, and a layer with nothing on the host starts, as its
-recompute begins, the copies back of the nearest layer before it that has. offloaded_tensors
-counts the host tensors of a placement list, for reserve.
-
-Device memory in backward: the recomputed layer's activations, its input, and the next layer's
-input (with attention once, also its out and lse) being prefetched: one layer's kept tensors
-more than plain checkpointing holds at that moment, and none of the other layers' host ones
-(those a placement keeps on the device stay there, as plain checkpointing's do). Between two
-layers with host tensors, the lower one's come back as the upper one recomputes, so they are
-held through the recomputes of the device-only layers between them.
-
-Not covered: torch.compile of wrapped layers, CUDA graphs, layers that draw random numbers
-(pass preserve_rng_state=True). With a frozen embedding, layer 0's input needs no grad and so
-stays on the device.
+transformers' Qwen3DecoderLayer). save_attention needs the layer's attention to call
+model.attention.attention (ours does); tile_mlp needs a SwiGLU `mlp`. Not covered: torch.compile
+of wrapped layers, CUDA graphs, layers that draw random numbers (pass preserve_rng_state=True).
 """
 
 from __future__ import annotations
@@ -208,8 +148,8 @@ PLACES = {"input": ("host", "device"), "attention": ("host", "device", "recomput
 class LayerPlacement:
     """Where one decoder layer keeps what its backward needs: its saved input on the "host" (in
     the pool) or the "device" (checkpointed, not moved); attention's (out, lse) on the "host",
-    the "device" (attention once either way), or "recompute" (not kept: the recompute runs
-    attention's forward again)."""
+    the "device" (kept either way, so the recompute skips attention's forward), or "recompute"
+    (not kept: the recompute runs attention's forward again)."""
 
     input: str = "host"
     attention: str = "recompute"
@@ -244,7 +184,10 @@ def default_placements(
 
 class _OffloadedForward:
     """Installed as `layer.forward`: checkpoint the original forward, keeping what `placement`
-    says where it says.
+    says where it says. Only the layer instance's `forward` changes (nothing is inserted into the
+    module tree, so state_dict keys do not change); FSDP2's hooks live on `__call__`, so they run
+    around it whether fully_shard came before or after apply_offload, and the recompute runs
+    inside backward, after FSDP2's pre-backward hook has gathered the parameters again.
 
     input "host": checkpoint's saved inputs go through the pool's hooks; "device": they stay
     where they are. attention kept ("host" or "device"): the body runs through an AttentionStore
@@ -435,7 +378,7 @@ def apply_offload(
     save_attention: bool = False,
     placements: list[LayerPlacement] | None = None,
 ) -> HostPool:
-    """Checkpoint every decoder layer of `model` in place, keeping only its input, on the host.
+    """Checkpoint every decoder layer of `model` in place, its input kept on the host (by default).
 
     model: a Qwen3 (or transformers model) with `model.layers`, a module holding `layers`, or
         the layers themselves.

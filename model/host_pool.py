@@ -1,7 +1,7 @@
 """Host pool: reusable pinned host blocks for tensors moved off the GPU, copied on side streams.
 
 To use it elsewhere: copy this file with model/checkpoint_offload.py; they need torch only (tqdm
-for reserve's progress bar). README's "Use a piece in your own code" shows them on Qwen3.
+for reserve's progress bar). docs/pieces.md shows them on transformers' Qwen3.
 
     pool = HostPool(min_bytes=1 << 20)
     pool.reserve(36, (1, T, hidden), torch.bfloat16, "cuda")  # every block now, before step 1
@@ -12,52 +12,28 @@ for reserve's progress bar). README's "Use a piece in your own code" shows them 
     log(pool.reset_step())               # PoolStats: bytes each way, blocks, pinned bytes
 
 `pool.pack` and `pool.unpack` are saved-tensor hooks (torch.autograd.graph.saved_tensors_hooks).
-`pool.layer()` installs them around one layer call, keeps what the call packs together in the
-pool's backward order (below), and at its end lets go of the device tensors whose copies it
-started (a tensor packed outside a layer() scope is held until the next scope ends, or close()).
-model/checkpoint_offload.py wraps decoder layers with it.
+`pool.layer()` installs them around one layer call. model/checkpoint_offload.py wraps decoder
+layers with it; docs/offload.md tells a layer input's whole journey through both files.
 
 What moves (pack, in forward): a plain tensor that needs grad, is not empty and has >= min_bytes
 (a layer's hidden state) is copied into host blocks; everything else is kept by reference. Shared
 tables that need no grad (RoPE cos/sin) are never copied; parameters and tensor subclasses
 (DTensor) never move. unpack (in backward) copies it back to its device.
 
-Backward order: a list of groups, one per `pool.layer()` call (a layer's input, then what its
-body kept: attention's out and lse), in the order backward will ask for them: each call's group
-goes to the front, since backward meets layers last to first. When backward unpacks a tensor of
-one group, the copies back of the rest of that group and of the whole next group start together,
-so a layer's three tensors come back while the layer after it (in forward order) recomputes, and
-none waits for the one before it. A layer that moves nothing has no group: the next group is
-then the nearest layer before it that moved something, and prefetcher() lets the recompute of a
-layer with nothing in the pool start that group's copies back (model/checkpoint_offload.py's
-LayerReplay calls it first thing in such a layer's recompute: the whole order of a recompute is
-written there). The groups hold weak references:
-a tensor whose graph died (after its backward, or a graph dropped without one) gives its blocks
-back and falls out.
+The one idea is the backward order: a list of groups, one group per `pool.layer()` call (what
+that call packed: a layer's input, then attention's out and lse if the layer keeps them), newest
+first, since backward meets the layers last to first. When backward unpacks a tensor of one
+group, the copies back of the rest of that group and of the whole next group start together, so
+a layer's tensors come back while the layer after it (in forward order) recomputes. A layer that
+moves nothing has no group; prefetcher() lets its recompute start the next group's copies back.
+The groups hold weak references: a tensor whose graph died gives its blocks back and falls out.
 
-Host memory layout: fixed-size blocks, keyed by block size, shared by all tensors and steps. A
-tensor of n bytes takes ceil(n / b) blocks of b = host_block_bytes(n) (a power of two near n/64,
-512 B to 64 MiB), byte i of the tensor in block i // b; the last block is partly empty. Why
-blocks: torch's pinned host allocator rounds every allocation up to a power of two (one 3 GiB
-buffer pins 4 GiB); a power-of-two block is not rounded, and the partial last block wastes under
-n/64, so the host holds at most 1.6% more than the tensors (host_bytes_for(n)). Blocks come from
-reserve() before step 1 (pinning gigabytes takes seconds and synchronises), or on demand in
-step 1; a tensor's blocks return when its handle dies, each carrying the event of its last copy,
-which the next copy into it waits for. `pinned_bytes` always means one thing: the bytes of host
-blocks the pool has allocated (pinned on CUDA; on CPU the same blocks, unpinned, are counted as
-a GPU run would pin them).
-
-CUDA (copies on side streams, device memory only from the compute stream's allocator pool):
-  * D2H: the copy stream waits for the compute stream and for the last-use events of the blocks
-    it was given, copies the tensor into them piece by piece and records one event. The device
-    tensor stays referenced until the layer() scope ends; then the compute stream waits for that
-    event (on the GPU, no host sync) and the reference is dropped, so its memory is only reused
-    by compute work ordered after the copy. The copy overlaps the layer's own compute.
-  * H2D: the device tensor is allocated on the compute stream; the copy stream waits for the
-    compute stream (that memory may still be read by queued kernels) and for the D2H event, then
-    copies the blocks back in the same order; the compute stream waits for the copy's event
-    before anything reads the tensor.
-On CPU the same code runs with plain blocks and synchronous copies, so it is tested without a GPU.
+Host memory is fixed-size blocks (host_block_bytes says why), reserved before step 1 or made on
+demand in step 1, and reused by every tensor and step. `pinned_bytes` always means one thing: the
+bytes of host blocks the pool has allocated (pinned on CUDA; on CPU the same blocks, unpinned, are
+counted as a GPU run would pin them). On CUDA the copies run on two side streams, ordered against
+the compute stream by events (the comment over the saved-tensor hooks gives the order); on CPU
+the same code runs with plain blocks and synchronous copies, so it is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -79,6 +55,14 @@ DEFAULT_MIN_BYTES = 1 << 20  # smaller tensors stay on the device: copying them 
 MIN_BLOCK, MAX_BLOCK = 512, 64 << 20
 
 
+# Host memory layout: fixed-size blocks, keyed by block size, shared by all tensors and steps. A
+# tensor of n bytes takes ceil(n / b) blocks of b = host_block_bytes(n), byte i of the tensor in
+# block i // b; the last block is partly empty. Why blocks: torch's pinned host allocator rounds
+# every allocation up to a power of two (one 3 GiB buffer pins 4 GiB); a power-of-two block is not
+# rounded, and the partial last block wastes under n/64, so the host holds at most 1.6% more than
+# the tensors (host_bytes_for(n)). Blocks come from reserve() before step 1 (pinning gigabytes
+# takes seconds and synchronises), or on demand in step 1; a tensor's blocks return when its
+# handle dies, each carrying the event of its last copy, which the next copy into it waits for.
 def host_block_bytes(n: int) -> int:
     """The block size for a tensor of n bytes: a power of two near n/64, in [512 B, 64 MiB].
 
@@ -295,6 +279,18 @@ class HostPool:
         return self._streams[idx]
 
     # ---- saved-tensor hooks ------------------------------------------------------------------
+    # On CUDA the copies run on side streams, and device memory comes only from the compute
+    # stream's allocator pool:
+    #   D2H (pack): the copy stream waits for the compute stream and for the last-use events of the
+    #     blocks it was given, copies the tensor into them piece by piece and records one event.
+    #     The device tensor stays referenced until the layer() scope ends; then the compute stream
+    #     waits for that event (on the GPU, no host sync) and the reference is dropped, so its
+    #     memory is only reused by compute work ordered after the copy. The copy overlaps the
+    #     layer's own compute.
+    #   H2D (_fetch): the device tensor is allocated on the compute stream; the copy stream waits
+    #     for the compute stream (that memory may still be read by queued kernels) and for the D2H
+    #     event, then copies the blocks back in the same order; the compute stream waits for the
+    #     copy's event before anything reads the tensor.
     def should_move(self, t) -> bool:
         """Moved: activations on cpu/cuda that need grad, are not empty and have >= min_bytes.
         Not moved: parameters (the model holds them anyway) and wrapper subclasses such as
@@ -336,7 +332,9 @@ class HostPool:
             self._put_first(group)
 
     def pack(self, t):
-        """The pack hook: a host copy of t if should_move(t), else t itself (kept by reference)."""
+        """The pack hook: a host copy of t if should_move(t), else t itself (kept by reference).
+        A tensor packed outside a layer() scope is a group of its own, and its device tensor is
+        held until the next scope ends, or close()."""
         if not self.should_move(t):
             return t  # kept by reference: shared tables, small tensors, parameters
         self._check_open()

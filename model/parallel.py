@@ -47,6 +47,7 @@ from torch.distributed.fsdp import (
 )
 
 from model.config import Qwen3Config
+from model.lora import LoraSpec, add_lora, init_lora, is_adapter_key, load_adapter
 from model.qwen3 import Qwen3
 from model.ulysses_exchange import check_heads
 from model.weights import LoadStats, load_safetensors
@@ -268,6 +269,8 @@ def build_sharded_model(
     cpu_offload: bool = False,
     seed: int | None = None,
     fake_mode=None,
+    lora: LoraSpec | None = None,
+    adapter_dir: str | None = None,
 ) -> tuple[Qwen3, LoadStats | None]:
     """Meta build -> shard -> materialise on `device` -> load `model_dir` (or init_weights()).
 
@@ -282,6 +285,9 @@ def build_sharded_model(
     fake_mode: a torch FakeTensorMode to materialise the shards in (shapes, no memory): nothing
     is loaded or initialised (a rehearsal of the step at its real shapes). The meta build and
     the sharding run outside it, as FSDP2 needs real meta parameters to shard.
+    lora: LoRA adapters on the meta model before sharding (model/lora.py), every other weight
+    frozen in the compute dtype (param_dtype; bf16 on CUDA by default) with no fp32 copy; the
+    adapters start as PEFT's (A from `seed`, B zero), or from the PEFT directory adapter_dir.
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -292,6 +298,8 @@ def build_sharded_model(
         )
     with torch.device("meta"):
         model = Qwen3(config).to(dtype)
+    if lora is not None:
+        add_lora(model, lora, base_dtype=compute_dtype(device.type, param_dtype, dtype))
     apply_fsdp(
         model,
         mesh,
@@ -308,10 +316,26 @@ def build_sharded_model(
             model.to_empty(device=where)
         return model, None
     model.to_empty(device=where)
+    stats = None
     if model_dir is None:
         model.init_weights(seed)
-        return model, None
-    return model, load_safetensors(model, model_dir, progress=progress and dist.get_rank() == 0)
+    else:
+        skip = is_adapter_key if lora is not None else None
+        stats = load_safetensors(
+            model, model_dir, progress=progress and dist.get_rank() == 0, skip=skip
+        )
+    if lora is not None:
+        init_lora(model, torch.initial_seed() if seed is None else seed)
+        if adapter_dir is not None:
+            load_adapter(model, adapter_dir)
+    return model, stats
+
+
+def compute_dtype(
+    device_type: str, param_dtype: torch.dtype | None, shard_dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype gathered weights compute in: mixed_precision's param_dtype, else the shards'."""
+    return mixed_precision(device_type, param_dtype).param_dtype or shard_dtype
 
 
 def ulysses_group(mesh: DeviceMesh) -> dist.ProcessGroup:

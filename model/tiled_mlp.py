@@ -1,7 +1,7 @@
 """Tiled SwiGLU MLP: down(silu(gate(x)) * up(x)) over tiles of tokens, saving only its input.
 
-To use it elsewhere: copy this file alone; it needs torch only. README's "Use a piece in your own
-code" applies it to transformers' Qwen3ForCausalLM.
+To use it elsewhere: copy this file alone; it needs torch only. docs/pieces.md applies it to
+transformers' Qwen3ForCausalLM.
 
     y = tiled_mlp(x, w_gate, w_up, w_down, tile=8192)   # any SwiGLU, from its three weights
     set_mlp_tiling(layer.mlp, 8192)                     # in place: layer.mlp(x) now runs tiled
@@ -16,7 +16,9 @@ at 131,072 tokens and tile 16,384). The price: the replay computes the gate and 
 once more, 14 MLP GEMMs instead of 12 under checkpointing (11 where the recompute skips its
 tiles, below; under 1% of a 1M-token step either way, where attention dominates). Weights are
 Function inputs, so autograd delivers their grads to whatever parameters the MLP holds (FSDP2's
-unsharded ones included); autocast, if on, is replayed in backward as it was in forward.
+unsharded ones included); autocast, if on, is replayed in backward as it was in forward. A frozen
+weight gets no gradient GEMM; a projection with low_rank() (LoRA, model/lora.py) adds its adapter
+in the tiles, replaying dropout's masks in backward from the forward's RNG state.
 
 In a checkpoint's recompute only what the MLP saves is needed (its input; the weights are
 parameters), and the layer's recomputed output is thrown away: called with output_unused=True
@@ -52,21 +54,51 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # bf16/fp16 grads accumulate in fp32
 
 
+def _low_rank_delta(xt, adapter):
+    """scale * B (A dropout(xt)), in xt's dtype: a LoRA adapter's part of a projection, with
+    the arithmetic of model/lora.py's LoraLinear."""
+    a_w, b_w, scale, p = adapter
+    a = xt.to(a_w.dtype)
+    if p:
+        a = F.dropout(a, p, training=True)
+    return (F.linear(F.linear(a, a_w), b_w) * scale).to(xt.dtype)
+
+
+def _project(xt, w, adapter):
+    y = F.linear(xt, w)
+    return y if adapter is None else y + _low_rank_delta(xt, adapter).to(y.dtype)
+
+
+def _adapters(meta, tensors) -> list:
+    """[gate, up, down]: (A, B, scale, dropout p) each, or None, from apply's flat arguments."""
+    out, it = [], iter(tensors)
+    for m in meta:
+        out.append(None if m is None else (next(it), next(it), *m))
+    return out
+
+
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, tile, output_unused):
+    def forward(ctx, x, w_gate, w_up, w_down, tile, output_unused, lora_meta, *lora_weights):
         dev = x.device.type  # backward replays the tiles under the same autocast state
-        ctx.tile = tile
+        ctx.tile, ctx.lora_meta = tile, lora_meta
         ctx.autocast = (dev, torch.get_autocast_dtype(dev), torch.is_autocast_enabled(dev))
-        ctx.save_for_backward(x, w_gate, w_up, w_down)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, *lora_weights)
+        # Adapter dropout: backward replays the tiles' masks from the RNG state they started at
+        ctx.rng = None
+        if any(m is not None and m[1] for m in lora_meta):
+            cuda = torch.cuda.get_rng_state(x.device) if dev == "cuda" else None
+            ctx.rng = (torch.get_rng_state(), cuda)
         if output_unused:  # a recompute: the output is thrown away, only x had to be saved
             dtype = ctx.autocast[1] if ctx.autocast[2] else x.dtype  # what the tiles would give
             return x.new_zeros(*x.shape[:-1], w_down.shape[0], dtype=dtype)
+        gate_ad, up_ad, down_ad = _adapters(lora_meta, lora_weights)
         x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
         out = None
         for s in range(0, x2.shape[0], tile):  # grad is off inside Function.forward
             xt = x2[s : s + tile]
-            y = F.linear(F.silu(F.linear(xt, w_gate)) * F.linear(xt, w_up), w_down)  # [n, hidden]
+            h = F.silu(_project(xt, w_gate, gate_ad)) * _project(xt, w_up, up_ad)
+            y = _project(h, w_down, down_ad)  # [n, hidden]
             if out is None:  # y's dtype, which autocast may have chosen
                 out = y.new_empty(x2.shape[0], y.shape[1])  # [N, hidden]
             out[s : s + tile] = y
@@ -76,40 +108,88 @@ class _TiledMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w_gate, w_up, w_down = ctx.saved_tensors
+        x, w_gate, w_up, w_down, *lora_weights = ctx.saved_tensors
         need_x, need_g, need_u, need_d = ctx.needs_input_grad[:4]
+        need_lora = ctx.needs_input_grad[7:]
         tile = ctx.tile
         x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
         go2 = grad_out.reshape(-1, grad_out.shape[-1])  # [N, hidden]
         dx = torch.empty_like(x2) if need_x else None
+        # A frozen weight (needs no grad) gets no accumulator and no weight-gradient GEMM.
         acc = [
             torch.zeros(w.shape, dtype=_acc_dtype(w.dtype), device=w.device) if need else None
             for w, need in ((w_gate, need_g), (w_up, need_u), (w_down, need_d))
         ]
+        lora_acc = [
+            torch.zeros(w.shape, dtype=_acc_dtype(w.dtype), device=w.device) if need else None
+            for w, need in zip(lora_weights, need_lora, strict=True)
+        ]
+        lora_leaves = [
+            w.detach().requires_grad_(need) for w, need in zip(lora_weights, need_lora, strict=True)
+        ]
+        gate_ad, up_ad, down_ad = _adapters(ctx.lora_meta, lora_leaves)
         wg = w_gate.detach().requires_grad_(need_g)
         wu = w_up.detach().requires_grad_(need_u)
         dev, dtype, enabled = ctx.autocast
-        for s in range(0, x2.shape[0], tile):
-            xt = x2[s : s + tile].detach().requires_grad_(need_x)
-            with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
-                h = F.silu(F.linear(xt, wg)) * F.linear(xt, wu)  # [n, intermediate]
-                go = go2[s : s + tile]
-                dh = go.mm(w_down)  # [n, intermediate]; down_proj by hand: no need for its output
-                if need_d:
-                    acc[2].add_(go.t().mm(h.detach()))  # [hidden, intermediate]
-            inputs = [t for t, need in ((xt, need_x), (wg, need_g), (wu, need_u)) if need]
-            if inputs:
-                grads = list(torch.autograd.grad(h, inputs, dh))
+        with _replayed_rng(ctx.rng, x.device):
+            for s in range(0, x2.shape[0], tile):
+                xt = x2[s : s + tile].detach().requires_grad_(need_x)
+                with torch.enable_grad(), torch.autocast(dev, dtype=dtype, enabled=enabled):
+                    h = F.silu(_project(xt, wg, gate_ad)) * _project(xt, wu, up_ad)  # [n, inter]
+                    go = go2[s : s + tile]
+                    # down_proj by hand: no need for its output
+                    outputs, grads_out = [h], [go.mm(w_down)]  # dh [n, intermediate]
+                    if need_d:
+                        acc[2].add_(go.t().mm(h.detach()))  # [hidden, intermediate]
+                    if down_ad is not None:  # the down adapter's part, through autograd
+                        outputs.append(_low_rank_delta(h, down_ad))
+                        grads_out.append(go)
+                wanted = [(xt, need_x), (wg, need_g), (wu, need_u)]
+                wanted += list(zip(lora_leaves, need_lora, strict=True))
+                inputs = [t for t, need in wanted if need]
+                pairs = [(o, g) for o, g in zip(outputs, grads_out, strict=True) if o.requires_grad]
+                if not inputs or not pairs:
+                    continue
+                grads = list(
+                    torch.autograd.grad(
+                        [o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True
+                    )
+                )
                 if need_x:
                     dx[s : s + tile] = grads.pop(0)
                 for i, need in ((0, need_g), (1, need_u)):
                     if need:
                         acc[i].add_(grads.pop(0))
+                for a in lora_acc:
+                    if a is not None:
+                        g = grads.pop(0)
+                        if g is not None:
+                            a.add_(g)
         grads_w = [
             None if a is None else a.to(w.dtype)
             for a, w in zip(acc, (w_gate, w_up, w_down), strict=True)
         ]
-        return (None if dx is None else dx.view_as(x)), *grads_w, None, None
+        grads_lora = [
+            None if a is None else a.to(w.dtype)
+            for a, w in zip(lora_acc, lora_weights, strict=True)
+        ]
+        return (None if dx is None else dx.view_as(x)), *grads_w, None, None, None, *grads_lora
+
+
+@contextlib.contextmanager
+def _replayed_rng(state, device: torch.device):
+    """Run with the RNG state a forward started at (adapter dropout's masks again), then put the
+    generators back; nothing when there was no dropout."""
+    if state is None:
+        yield
+        return
+    cpu, cuda = state
+    devices = [device] if cuda is not None else []  # the CPU generator is always forked
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        yield
 
 
 def tiled_mlp(
@@ -120,14 +200,20 @@ def tiled_mlp(
     tile: int,
     *,
     output_unused: bool = False,
+    low_rank: tuple | None = None,
 ) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) over tiles of `tile` tokens; x [..., hidden] -> [..., hidden].
 
     w_gate, w_up [intermediate, hidden] and w_down [hidden, intermediate], as nn.Linear holds them.
     output_unused: a recompute's call (module docstring): x is saved, the tiles do not run, and
     the zeros returned are not to be used.
+    low_rank: LoRA adapters per projection (gate, up, down), each None or (A, B, scale, dropout
+    p): that projection is x W^T + scale * B (A dropout(x)), and A and B get their gradients.
     """
-    return _TiledMLP.apply(x, w_gate, w_up, w_down, int(tile), bool(output_unused))
+    adapters = tuple(low_rank) if low_rank is not None else (None, None, None)
+    meta = tuple(None if a is None else (float(a[2]), float(a[3])) for a in adapters)
+    weights = [t for a in adapters if a is not None for t in a[:2]]
+    return _TiledMLP.apply(x, w_gate, w_up, w_down, int(tile), bool(output_unused), meta, *weights)
 
 
 class TiledForward:
@@ -141,8 +227,13 @@ class TiledForward:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # weights read at call time: FSDP2's unsharded ones inside forward and backward
-        gate, up, down = (getattr(self.mlp, name).weight for name in self.names)
-        return tiled_mlp(x, gate, up, down, self.tile, output_unused=self.output_unused)
+        linears = [getattr(self.mlp, name) for name in self.names]
+        gate, up, down = (lin.weight for lin in linears)
+        # a LoRA projection (model/lora.py's LoraLinear) hands over its adapter
+        low_rank = [lin.low_rank() if hasattr(lin, "low_rank") else None for lin in linears]
+        return tiled_mlp(
+            x, gate, up, down, self.tile, output_unused=self.output_unused, low_rank=low_rank
+        )
 
     @contextlib.contextmanager
     def skipping(self):

@@ -1,7 +1,8 @@
 """Ulysses sequence parallelism: attention over a sequence split across sp processes, any model.
 
-To use it elsewhere: copy this file and loss/chunked_ce.py; they need torch (and transformers for
-register_ulysses). README's "Use a piece in your own code" applies them to Qwen3ForCausalLM.
+To use it elsewhere: copy this file alone; it needs torch (and transformers for register_ulysses).
+docs/pieces.md applies it to transformers' Qwen3ForCausalLM, with loss/chunked_ce.py
+for that example's loss.
 
     model.set_attn_implementation(register_ulysses(group))   # a transformers model, sp = group
     batch = shard_row(row, rank, sp)     # row: T + 1 ids -> this rank's ceil(T/sp) inputs, labels
@@ -224,7 +225,9 @@ def shard_row(
     Returns {"input_ids", "labels", "position_ids"}, int64 [B, ceil(T / sp_size)], on the row's
     device (a tensor's; else the CPU). position_ids are global: rank r's share starts at
     r * ceil(T / sp_size), so RoPE turns each token by its place in the whole row, not in its
-    share.
+    share. Input token t (0 <= t < T) is on rank t // ceil(T / sp_size), at local index
+    t % ceil(T / sp_size): at T = 1,048,576 and sp_size = 8, token 700,000 is at index 44,640 of
+    rank 5, with position_ids 700,000 (counted from its document's start with doc_lens).
 
     doc_lens (B = 1): the row is documents, doc_lens[0] ids, then doc_lens[1], ... (summing to
     T + 1, the row's last id included). Positions count from 0 in each document, and no label

@@ -47,6 +47,8 @@ TOKENIZER_FILES = (
     "merges.txt",
     "generation_config.json",
     "added_tokens.json",
+    "chat_template.jinja",  # transformers writes the chat template here, not in the config
+    "chat_template.json",
 )
 
 
@@ -109,10 +111,13 @@ def _owned_rows(t: torch.Tensor) -> tuple[int, int] | None:
     return start, stop
 
 
-def load_safetensors(model: nn.Module, path: str, *, progress: bool = True) -> LoadStats:
-    """Fill every parameter and persistent buffer of `model` from the checkpoint in `path`."""
+def load_safetensors(model: nn.Module, path: str, *, progress: bool = True, skip=None) -> LoadStats:
+    """Fill every parameter and persistent buffer of `model` from the checkpoint in `path`.
+    skip: a test on state_dict keys the checkpoint does not hold (LoRA's adapters)."""
     where = checkpoint_files(path)
     targets = model.state_dict(keep_vars=True)  # name -> Parameter (or DTensor Parameter)
+    if skip is not None:
+        targets = {k: v for k, v in targets.items() if not skip(k)}
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
 
     # Check everything before reading anything, and report all problems at once.
@@ -215,13 +220,16 @@ def save_safetensors(
     max_shard_bytes: int = 5 * 10**9,
     tokenizer_dir: str | None = None,
     progress: bool = True,
+    skip=None,
 ) -> list[str]:
     """Write `model` in the Hugging Face layout. Collective when the model is sharded: every
     rank must call it, rank 0 writes, and all return once the files are there. Returns the
-    files written (on rank 0)."""
+    files written (on rank 0). skip: a test on state_dict keys left out (LoRA's adapters)."""
     rank = dist.get_rank() if dist is not None and dist.is_initialized() else 0
     config = getattr(model, "config", None)
     params = model.state_dict(keep_vars=True)  # FSDP2 switches to the sharded params here
+    if skip is not None:
+        params = {k: v for k, v in params.items() if not skip(k)}
     sharded = any(isinstance(t, DTensor) for t in params.values())
     if getattr(config, "tie_word_embeddings", False):
         params.pop("lm_head.weight", None)  # transformers re-ties it from the embedding

@@ -12,15 +12,19 @@ CUDA initialises, so this module imports nothing, not torch either. Each setting
                                   fixed-size segments half used.
   pinned_use_cuda_host_register   the host blocks of the offload pool (model/host_pool.py) are
   :True                           ~72 GiB per rank at the recipe, ~4,600 blocks of 16 MiB: pinned
-                                  with cudaHostAlloc that is one call after another in one
-                                  thread per process. With this setting torch's host allocator
-                                  mallocs each block and page-locks it with cudaHostRegister,
-  pinned_num_register_threads:8   split over 8 threads (a power of two, at most 128). The blocks
+                                  with cudaHostAlloc, the driver allocates and page-locks each in
+                                  one call under its global lock. With this setting torch's host
+                                  allocator (aten/src/ATen/cuda/CachingHostAllocator.cpp) mallocs
+  pinned_num_register_threads:8   each block, has 8 threads (a power of two, at most 128) write
+                                  one byte of every 4 KiB page of an eighth of it, so the kernel
+                                  maps the pages in parallel, then page-locks the whole block
+                                  with ONE cudaHostRegister call from the allocating thread: the
+                                  threads split the page faults, not the registering. The blocks
                                   are the same pinned memory either way.
 
 Which NUMA node the pages land on is the launcher's part: torchrun.sh binds each process to its
 GPU's node (torchrun --numa-binding node) where the machine has several, and Linux places a
-page on the node of the thread that first touches it, here the register threads.
+page on the node of the thread that first touches it, here the pre-faulting threads.
 """
 
 from __future__ import annotations

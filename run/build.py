@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -48,12 +49,25 @@ from memory.choices import plan_for_run
 from memory.layouts import Candidate, why_not, write_layout
 from memory.plan import describe_placements
 from memory.report import plan_warnings
-from model.attention import BACKENDS, BackendChoice, saved_attention_bytes, set_backend
-from model.attention_probe import choose_kernel, probe_kernel
+from model.attention import (
+    BACKENDS,
+    DOCUMENT_KERNELS,
+    BackendChoice,
+    saved_attention_bytes,
+    set_backend,
+    set_documents_kernel,
+)
+from model.attention_probe import (
+    choose_documents_kernel,
+    choose_kernel,
+    probe_documents_kernel,
+    probe_kernel,
+)
 from model.checkpoint_offload import apply_offload, offloaded_tensors
 from model.config import ConfigError
 from model.parallel import GROUP_TIMEOUT, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention
+from run.adapter import lora_spec
 
 
 def log0(*args) -> None:
@@ -89,11 +103,14 @@ def build_model(cfg, mc, model_dir, mesh, dp, device, dtype, fake_mode=None):
             f"shorter --seq-len"
         )
     log_attention(cfg, mc, sp, dtype, backend, planned)
+    spec = lora_spec(cfg)
     pool = apply_offload(
         model,
         min_bytes=cfg.offload_min_bytes,
         tile_mlp=cfg.tile_mlp or None,
         placements=list(planned.placements),
+        # LoRA's dropout draws random numbers: the recompute must draw the same ones
+        preserve_rng_state=spec is not None and spec.dropout > 0,
     )
     if any(p.on_host for p in planned.placements):
         with fake_mode or contextlib.nullcontext():
@@ -123,6 +140,8 @@ def sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode=None):
         cpu_offload=cfg.cpu_offload,
         seed=cfg.seed,
         fake_mode=fake_mode,
+        lora=lora_spec(cfg),
+        adapter_dir=cfg.lora_from or None,
     )
     if fake_mode is not None:
         loaded = "fake tensors, nothing loaded"
@@ -156,7 +175,30 @@ def choose_attention(cfg, mc, sp, device, dtype) -> tuple[object, BackendChoice]
     cfg = dataclasses.replace(cfg, attn_backend=choice.name)
     if choice.name == "sdpa":
         cfg = dataclasses.replace(cfg, save_attention=False)
+    elif getattr(cfg, "documents", "stream") == "masked":
+        choose_documents(cfg, mc, sp, device, dtype, choice.name)
     return cfg, choice
+
+
+def choose_documents(cfg, mc, sp, device, dtype, backend: str) -> None:
+    """--documents masked: how a row of documents runs next to kernel `backend`, chosen as the
+    kernel is (model/attention_probe.py's choose_documents_kernel: on CUDA each way probed at
+    this rank's shape with one-token documents among others, every rank agreeing), and pinned.
+    Collective."""
+    probe = None
+    if kernel_probe(device) is not None:
+        probe = functools.partial(probe_documents_kernel, backend=backend)
+        if dist.is_initialized():
+            probe = ProbeOnEveryRank(probe, device)
+    try:
+        way = choose_documents_kernel(device, dtype, mc, cfg.seq_len, sp, backend, probe=probe)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's row, before the pool
+    set_documents_kernel(way.name)
+    passed = f"; {way.why}" if way.why else ""
+    log0(f"documents: {DOCUMENT_KERNELS[way.name]} ({way.name}{passed})")
 
 
 def kernel_probe(device: torch.device):

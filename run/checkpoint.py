@@ -35,10 +35,7 @@ SafeLoadPlanner. A file that needs more is refused by name. The manifest is run/
 Resuming on another layout: DCP reshards model and optimizer; the loader continues at the saved
 global row, so the new dp ranks read the rows a run of the new layout would read next; RNG state
 is restored per rank when world, sp and dp are the same, else rebuilt from the seed and the step.
-
-Before writing, the free space under OUT/checkpoints is compared with the checkpoint's size
-(every rank's tensors); a shortfall raises DiskSpaceError and writes nothing, so the last good
-checkpoint stays as it was. free_bytes() is the one place that asks the filesystem.
+Before writing, a checkpoint that the disk has no room for raises DiskSpaceError.
 """
 
 from __future__ import annotations
@@ -65,7 +62,12 @@ FORMAT = 1  # the version of train_state.json's fields, checked on load
 
 
 class DiskSpaceError(RuntimeError):
-    """Not enough free disk for the next checkpoint or the final model; nothing was written."""
+    """Not enough free disk for the next checkpoint or the final model; nothing was written.
+
+    Before writing, save_checkpoint compares the free space under OUT/checkpoints with the
+    checkpoint's size (every rank's tensors); a shortfall raises this and writes nothing, so the
+    last good checkpoint stays as it was. free_bytes() is the one place that asks the filesystem.
+    """
 
 
 def free_bytes(path: str) -> int:
@@ -258,6 +260,16 @@ def verify(path: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # Save
 # ---------------------------------------------------------------------------------------------
+def _trainable_only(model):
+    """DCP's state-dict options: the tensors that train and their AdamW state, no frozen weight
+    (LoRA's base is read again from --model, so a checkpoint holds the adapters alone). Loading
+    is strict unless some weights are frozen (they are then absent on purpose)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def save_checkpoint(out: str, step: int, model, optimizer, loader, rank: int, keep: int = 2) -> str:
     """Write OUT/checkpoints/step_NNNNNN on every rank together; see the module docstring."""
     import torch.distributed.checkpoint as dcp
@@ -266,7 +278,7 @@ def save_checkpoint(out: str, step: int, model, optimizer, loader, rank: int, ke
     root = os.path.join(out, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_trainable_only(model))
     # ---- room for it? Every rank's shards, with bytes_needed's margin
     # on the parameters' device: a plain NCCL group has no backend for host tensors
     dev = next(model.parameters()).device
@@ -364,10 +376,16 @@ def load_checkpoint(path: str, model, optimizer, loader, rank: int, *, seed: int
     written = Layout(state["world"], state["sp"], state["dp"])
     world = dist.get_world_size() if dist.is_initialized() else 1
     loaded = Layout(world, loader.sp_size, loader.dp_size)
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_trainable_only(model))
     both = {"model": msd, "optim": osd}
     dcp.load(both, checkpoint_id=path, planner=SafeLoadPlanner())
-    set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=both["model"],
+        optim_state_dict=both["optim"],
+        options=_trainable_only(model),
+    )
     loader.load_state_dict(state["data"])
     step = int(state["step"])
     if written == loaded:  # the same ranks in the same places: each its own RNG stream

@@ -23,6 +23,7 @@ import os
 from data.synthetic import MIN_SEQ_LEN
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError, Qwen3Config
+from run.adapter import check_lora
 from run.checkpoint import problem as checkpoint_problem
 from run.host_memory import host_memory_bytes
 from run.rundir import (
@@ -45,11 +46,11 @@ KNOWN_MODELS = {
 }
 CHOICES = {
     "decay": ("cosine", "linear", "constant"),
-    "loss_on": ("all", "predictable"),
+    "loss_on": ("auto", "all", "assistant", "completion", "predictable"),
     "dtype": ("auto", "bfloat16", "float32", "float16"),
     "save_dtype": ("bfloat16", "float16", "float32"),
-    "documents": ("stream", "masked"),
-    "pack": ("concat", "best-fit"),
+    "documents": ("auto", "stream", "masked"),
+    "pack": ("auto", "concat", "best-fit"),
 }
 EVAL_TASKS = ("loss", "passkey", "kv")
 INF = math.inf
@@ -90,6 +91,9 @@ def _rules(c) -> list[tuple[str, bool, str]]:
             "0 (keep all) or a positive count, such as 2",
         ),
         ("max_bad_steps", c.max_bad_steps >= 1, "a positive count, such as 3"),
+        ("lora_rank", getattr(c, "lora_rank", 0) >= 0, "0 (full fine-tuning) or a rank, like 16"),
+        ("lora_alpha", 0 < getattr(c, "lora_alpha", 1) < INF, "positive, such as 16"),
+        ("lora_dropout", 0 <= getattr(c, "lora_dropout", 0) < 1, "in [0, 1), such as 0.05"),
         ("eval_rows", c.eval_rows >= 1, "a positive number of rows, such as 1"),
         (
             "eval_every",
@@ -186,9 +190,52 @@ def settle_gpu_memory(cfg) -> str:
     return "this GPU's memory"
 
 
+# What --loss-on, --documents and --pack "auto" become for each kind of data, and the --loss-on
+# values each kind takes: conversations are whole documents, never cut, never streamed.
+DATA_DEFAULTS = {
+    "text": {"loss_on": "all", "documents": "stream", "pack": "concat"},
+    "conversations": {"loss_on": "assistant", "documents": "masked", "pack": "best-fit"},
+    "prompt-completion": {"loss_on": "completion", "documents": "masked", "pack": "best-fit"},
+}
+LOSS_ON = {
+    "text": ("all", "predictable"),
+    "conversations": ("all", "assistant"),
+    "prompt-completion": ("all", "completion"),
+}
+
+
+def settle_data_kind(cfg) -> str:
+    """The kind of --data (of --eval-data with --eval-only): text, conversations or
+    prompt-completion (data/conversations.py, from the first row), and "auto" in --loss-on,
+    --documents and --pack turned into that kind's defaults in `cfg`; a value the kind cannot
+    take is refused."""
+    from data.conversations import data_kind
+
+    kind = data_kind(cfg.eval_data if cfg.eval_only and cfg.eval_data else cfg.data)
+    if cfg.eval_data and not cfg.eval_only and data_kind(cfg.eval_data) != kind:
+        raise ConfigError(
+            f"--eval-data {cfg.eval_data} is {data_kind(cfg.eval_data)} and --data {cfg.data} "
+            f"is {kind}: evaluate on data of the kind the run trains on"
+        )
+    for name, value in DATA_DEFAULTS[kind].items():
+        if getattr(cfg, name) == "auto":
+            setattr(cfg, name, value)
+    if cfg.loss_on not in LOSS_ON[kind]:
+        raise ConfigError(
+            f"--loss-on {cfg.loss_on}: the data is {kind}, which takes --loss-on "
+            f"{' or '.join(LOSS_ON[kind])}"
+        )
+    if kind != "text" and (cfg.documents, cfg.pack) != ("masked", "best-fit"):
+        raise ConfigError(
+            f"--data {cfg.data} is {kind}: each row is a whole document, never cut, so it takes "
+            f"--documents masked --pack best-fit (the defaults); drop --documents and --pack"
+        )
+    return kind
+
+
 def check_flags(cfg) -> None:
-    """Ranges, finiteness and choices of every flag, after settle_host_memory and
-    settle_gpu_memory; nothing else is read."""
+    """Ranges, finiteness and choices of every flag, after settle_host_memory,
+    settle_gpu_memory and settle_data_kind; only the data's first row is read."""
     settle_host_memory(cfg)
     settle_gpu_memory(cfg)
     for name, holds, rule in _rules(cfg):
@@ -199,6 +246,7 @@ def check_flags(cfg) -> None:
             raise ConfigError(
                 f"{flag(name)} {getattr(cfg, name)!r}: use one of {', '.join(allowed)}"
             )
+    settle_data_kind(cfg)
     if getattr(cfg, "documents", "stream") == "masked" and getattr(cfg, "eos_id", -1) < 0:
         if cfg.data.startswith(("synthetic:", "tokens:")):
             raise ConfigError(
@@ -407,6 +455,7 @@ def check_data(
 
         tok = load_tokenizer(model_dir)
         eos_id(tok, cfg.eos_token or None)
+        check_conversations(cfg, model_dir, num_rows)
     except ConfigError:
         raise
     except (ValueError, OSError, TypeError) as e:  # data/ names the source itself; say it is --data
@@ -417,6 +466,35 @@ def check_data(
         raise ConfigError(
             f"the tokenizer in {model_dir} has {len(tok):,} tokens but the model's vocabulary is "
             f"{mc.vocab_size:,}: they do not belong together; pass the model's own directory"
+        )
+
+
+def check_conversations(cfg, model_dir: str, num_rows: int) -> None:
+    """Conversations and prompt-completion pairs are rendered, packed and cached now (once per
+    node), so a bad row or template is refused before any weight is read: one line naming the
+    file and row (data/conversations.py); so are rows without a label the loss counts."""
+    from data.cache import token_cache_dir
+    from data.conversations import data_kind
+    from data.rows import build_rows
+
+    if data_kind(cfg.data) == "text":
+        return
+    rows = build_rows(
+        cfg.data,
+        model_dir,
+        cfg.seq_len,
+        num_rows,
+        cache_dir=token_cache_dir(cfg.cache_dir),
+        seed=cfg.seed,
+        eos_token=cfg.eos_token or None,
+        pack="best-fit",
+        chat_template=cfg.chat_template,
+        progress=False,
+    )
+    if cfg.loss_on != "all" and not rows.counted[:, 1:].any():
+        raise ConfigError(
+            f"--data {cfg.data}: the {num_rows} rows the run reads hold no label --loss-on "
+            f"{cfg.loss_on} counts; nothing to learn"
         )
 
 
@@ -559,6 +637,8 @@ def check_run(cfg, world: int, local_world: int, *, download: bool = False):
     check_flags(cfg)
     origin = agree_on_host_memory(cfg, origin)
     mc, model_dir = resolve_model(cfg, download=download)
+    if hasattr(cfg, "lora_rank"):
+        check_lora(cfg, mc)
     if mc is None:  # an unknown hub id before its download: what needs its config waits for it
         return None, None, cfg.sp or local_world, world // (cfg.sp or local_world)
     sp, dp = check_layout(cfg, mc, world, local_world)

@@ -61,6 +61,25 @@ def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
         )
 
 
+def describe_rows(meta: dict) -> str:
+    """The data's line at the start: for conversations what was read, the share of tokens the
+    loss counts, what was left out and why, the padding; for best-fit text its padding; else ''."""
+    if "conversations_read" in meta:
+        left = ", ".join(f"{n:,} {why}" for why, n in meta["left_out"].items()) or "none"
+        return (
+            f"data: {meta['documents']:,} of {meta['conversations_read']:,} rows read packed whole "
+            f"into {meta['num_rows']:,} rows of {meta['shape'][1]:,} tokens; the loss counts "
+            f"{meta['counted_labels']:,} tokens ({meta['counted_share']:.2%}); left out: {left}; "
+            f"padding {meta['padding_share']:.2%}"
+        )
+    if "padding_share" in meta:  # --pack best-fit
+        return (
+            f"data: best-fit packing, padding {meta['padding_share']:.2%} of the rows' "
+            f"tokens, {meta['documents_cut']} documents longer than a row cut"
+        )
+    return ""
+
+
 def summary_line(peak_gb, measured: bool, planned_bytes: float, steps: int, seconds: float) -> str:
     """The closing line: steps and seconds, the measured peak next to the planned one."""
     if peak_gb is not None:
@@ -88,7 +107,13 @@ def log0_outputs(cfg, log, final: str) -> None:
     )
     if cfg.save_every:
         outputs += ", checkpoints/ (--resume auto)"
-    if cfg.save_final:
+    lora = getattr(cfg, "lora_rank", 0) > 0 or bool(getattr(cfg, "lora_from", ""))
+    if cfg.save_final and lora and not cfg.lora_merge:
+        outputs += (
+            f'; load the adapter with PeftModel.from_pretrained(base_model, "{final}") '
+            f"(docs/lora.md)"
+        )
+    elif cfg.save_final:
         outputs += f'; load the model with AutoModelForCausalLM.from_pretrained("{final}")'
     log0(outputs)
 

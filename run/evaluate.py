@@ -35,12 +35,9 @@ What (one record per evaluation, in the run's metrics file, and to its reporters
     {"step": N, "eval": true, "eval_loss": L, "eval_tokens": n, "eval_ppl": exp(L),
      "loss_by_position": [[start, end, mean loss, tokens], ...], "eval_time_s": s,
      "eval_peak_mem_gb": measured or null, "eval_planned_peak_gb": planned}
-Buckets (bucket_edges): [0, 1024), [1024, 2048), [2048, 4096), ..., doubling, the last one ending
-at the row's end; rows under 8 x 1024 tokens start at seq_len / 8 rounded down to a power of two,
-so that they get 4 buckets too (the demo's 512 tokens: [0, 64), [64, 128), [128, 256), [256, 512)).
-
-The evaluation at step 0 doubles as a configuration check (context_warning): when the loss past
-the model's original context is far above the loss within it, the log says so in one line.
+The buckets double in length from [0, 1024) to the row's end (bucket_edges). The evaluation at
+step 0 also checks the configuration: context_warning says when the loss past the model's
+original context is far above the loss within it.
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ import torch.distributed as dist
 from data import build_rows, sources
 from data.cache import token_cache_dir
 from data.documents import document_eos, row_documents
-from data.loader import batch_to
+from data.loader import batch_to, shard_label_mask
 from data.rows import token_file_rows
 from loss.chunked_ce import token_losses
 from memory.meter import StepMeter
@@ -172,8 +169,10 @@ def too_few_rows(h: HeldOut, cfg) -> str | None:
 def load_held_out(
     h: HeldOut, cfg, mc: Qwen3Config, model_dir: str | None
 ) -> tuple[list, int | None]:
-    """The --eval-rows rows of `h`, each seq_len + 1 ids (memory-mapped or made on demand), and
-    the id that ends their documents under --documents masked (None: stream)."""
+    """The --eval-rows rows of `h`, each seq_len + 1 ids (memory-mapped or made on demand), the
+    id that ends their documents under --documents masked (None: stream), and the labels each
+    row's loss counts (bool [seq_len] per row: conversations' mask under --loss-on assistant or
+    completion; None: every label)."""
     rows = build_rows(
         h.source,
         model_dir,
@@ -186,16 +185,26 @@ def load_held_out(
         pack=getattr(cfg, "pack", "concat"),
         key_digits=retrieval.key_digits(cfg),
         progress=True,
+        chat_template=getattr(cfg, "chat_template", ""),
     )
     eos = document_eos(getattr(cfg, "documents", "stream"), getattr(cfg, "eos_id", -1), rows)
-    return [rows[h.first_row + i] for i in range(cfg.eval_rows)], eos
+    chosen = [h.first_row + i for i in range(cfg.eval_rows)]
+    masks = None
+    if getattr(cfg, "loss_on", "all") in ("assistant", "completion"):
+        masks = [rows.predictable(i) for i in chosen]
+    return [rows[i] for i in chosen], eos, masks
 
 
 # ---------------------------------------------------------------------------------------------
 # The forward-only loop
 # ---------------------------------------------------------------------------------------------
 def bucket_edges(seq_len: int) -> list[int]:
-    """[0, first, 2 first, 4 first, ..., seq_len]: see the module docstring."""
+    """[0, first, 2 first, 4 first, ..., seq_len]: the loss-by-position buckets.
+
+    [0, 1024), [1024, 2048), [2048, 4096), ..., doubling, the last one ending at the row's end;
+    rows under 8 x 1024 tokens start at seq_len / 8 rounded down to a power of two, so that they
+    get 4 buckets too (the demo's 512 tokens: [0, 64), [64, 128), [128, 256), [256, 512)).
+    """
     first = min(FIRST_BUCKET, max(1, 2 ** (seq_len.bit_length() - 1) // 2 ** (MIN_BUCKETS - 1)))
     edges, e = [0], first
     while e < seq_len:
@@ -206,11 +215,19 @@ def bucket_edges(seq_len: int) -> list[int]:
 
 @torch.no_grad()
 def evaluate_rows(
-    model, rows: list, mesh, edges: list[int], *, loss_chunk: int, eos_id: int | None = None
+    model,
+    rows: list,
+    mesh,
+    edges: list[int],
+    *,
+    loss_chunk: int,
+    eos_id: int | None = None,
+    masks: list | None = None,
 ) -> torch.Tensor:
     """float64 [2, buckets] on the host: the loss sum and the label count of each position bucket
     [edges[i], edges[i+1]), over every row on every rank. `mesh` is build_mesh's ("dp", "sp").
-    eos_id: rows of documents (data/documents.py), positions those inside each document."""
+    eos_id: rows of documents (data/documents.py), positions those inside each document.
+    masks: per row, the labels counted (bool [seq_len]); None: every label."""
     dp, sp = mesh["dp"].size(), mesh["sp"].size()
     dp_rank, sp_rank = mesh["dp"].get_local_rank(), mesh["sp"].get_local_rank()
     device = compute_device(mesh)
@@ -221,6 +238,9 @@ def evaluate_rows(
         row = rows[min(j, len(rows) - 1)]
         doc_lens = None if eos_id is None else row_documents(row, eos_id)
         batch = shard_row(row, sp_rank, sp, doc_lens=doc_lens, ignore_index=IGNORE)
+        if masks is not None:  # conversations: the assistant's labels only
+            counted = shard_label_mask(masks[min(j, len(rows) - 1)], sp_rank, sp)
+            batch["labels"] = torch.where(counted, batch["labels"], IGNORE)
         if j >= len(rows):  # no row left for this rank: count nothing
             batch["labels"].fill_(IGNORE)
         batch = batch_to(batch, device)
@@ -391,9 +411,23 @@ class Evaluation:
     none); retrieval: {task: its cases} (run/retrieval.py); neither: evaluation off."""
 
     def __init__(
-        self, cfg, mc, rows, mesh, log, plan, *, measure, optimizer, pool, retrieval, eos_id=None
+        self,
+        cfg,
+        mc,
+        rows,
+        mesh,
+        log,
+        plan,
+        *,
+        measure,
+        optimizer,
+        pool,
+        retrieval,
+        eos_id=None,
+        masks=None,
     ):
         self.cfg, self.mc, self.rows, self.mesh, self.log = cfg, mc, rows, mesh, log
+        self.masks = masks  # None: every label counts; else each row's counted labels
         self.eos_id = eos_id  # None: each row one sequence; else documents (--documents masked)
         self.plan = plan
         self.measure, self.optimizer, self.pool = measure, optimizer, pool
@@ -459,6 +493,7 @@ class Evaluation:
                 self.edges,
                 loss_chunk=self.cfg.loss_chunk,
                 eos_id=self.eos_id,
+                masks=self.masks,
             ),
         )
         rec = eval_record(
@@ -546,14 +581,14 @@ def start_evaluation(
     evaluated (a fresh run's; a resumed one has it in its metrics file). optimizer and pool (the
     offload pool): what the meter counts as held before the evaluation (None: nothing); plan:
     memory/plan.py's."""
-    rows, why_not, h, cases, eos = None, None, None, {}, None
+    rows, why_not, h, cases, eos, masks = None, None, None, {}, None, None
     if evaluating(cfg):
         h = held_out(cfg, mesh["dp"].size())
         why_not = too_few_rows(h, cfg) if h else None
         # Rows for the held-out loss, and for the retrieval haystack when they are not synthetic.
         text = h is not None and not h.source.startswith("synthetic:")
         if h is not None and not why_not and ("loss" in eval_tasks(cfg) or text):
-            rows, eos = load_held_out(h, cfg, mc, model_dir)
+            rows, eos, masks = load_held_out(h, cfg, mc, model_dir)
         if not why_not:
             filler = rows if text else None
             cases = {
@@ -572,6 +607,7 @@ def start_evaluation(
         pool=pool,
         retrieval=cases,
         eos_id=eos,
+        masks=masks,
     )
     if why_not:
         log.say(f"eval: off: {why_not}")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import run.checkpoint  # free_bytes through the module: the one place that asks the filesystem
+from model.lora import is_adapter_key
 from model.weights import save_safetensors
 from run.checkpoint import DiskSpaceError, bytes_needed, checkpoints
 
@@ -35,8 +36,10 @@ def export_final(
     dtype: torch.dtype,
     tokenizer_dir: str | None = None,
     progress: bool = True,
+    base_only: bool = False,
 ) -> str:
-    """Write `model` to `path` as described in the module docstring; returns `path`."""
+    """Write `model` to `path` as described in the module docstring; returns `path`.
+    base_only: without LoRA's adapters (a merged LoRA model: run/adapter.py)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     parent = os.path.dirname(os.path.abspath(path))
     need = bytes_needed(export_bytes(model, dtype))
@@ -58,7 +61,10 @@ def export_final(
     tmp = path.rstrip("/") + ".tmp"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed export's leftovers
-    save_safetensors(model, tmp, dtype=dtype, tokenizer_dir=tokenizer_dir, progress=progress)
+    skip = is_adapter_key if base_only else None
+    save_safetensors(
+        model, tmp, dtype=dtype, tokenizer_dir=tokenizer_dir, progress=progress, skip=skip
+    )
     if rank == 0:
         old = path.rstrip("/") + ".old"
         if os.path.isdir(path):

@@ -38,6 +38,7 @@ from memory.sweep import format_sweep, sweep
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError
 from model.parallel import build_mesh
+from run.adapter import lora_spec
 from run.build import build_model, log0
 from run.checks import check_flags, check_layout, resolve_model
 
@@ -93,8 +94,50 @@ def dry_run(cfg) -> None:
         print(line)
     if cfg.doc_len > 0:
         print("\n" + "\n".join(documents_projection(p, rates, cfg.doc_len)))
+    print("\n" + "\n".join(lora_beside_full(cfg, mc, world, sp, dp, rates)))
     if cfg.sweep:
         print("\n" + format_sweep(p, sweep(p, rates)))
+
+
+def lora_beside_full(cfg, mc, world: int, sp: int, dp: int, rates=None) -> list[str]:
+    """Full fine-tuning and LoRA side by side for this run, each in the layout it would get:
+    the run's own LoRA, or rank 16 on every linear layer when the run fine-tunes fully."""
+    lora_cfg = cfg if lora_spec(cfg) else dataclasses.replace(cfg, lora_rank=16)
+    full_cfg = dataclasses.replace(cfg, lora_rank=0, lora_from="", lora_merge=False)
+    spec = lora_spec(lora_cfg)
+    columns = []
+    for run in (full_cfg, lora_cfg):
+        choice = layout_for_run(run, mc, world, sp, dp, planned_dtype(run), "cuda", rates)
+        p = choice.nearest.plan
+        trained = p.state.grads // p.options.master_bytes * world  # elements, padded shards
+        columns.append(
+            [
+                "CPU (host memory)" if p.options.cpu_offload else "GPU",
+                f"{p.total / 1e9:.1f} GB",
+                f"{p.host.per_node / 1e9:.0f} GB",
+                f"{trained / 1e9:.3g} B" if trained >= 1e8 else f"{trained / 1e6:.3g} M",
+                f"{3 * trained * p.options.master_bytes / 1e9:.3g} GB",
+                f"{project(p, rates).step_s:.0f} s",
+                "fits" if p.fits else "DOES NOT FIT",
+            ]
+        )
+    this = "this run" if lora_spec(cfg) else "this run: full"
+    names = [
+        "fp32 state and AdamW on",
+        "peak per GPU",
+        "host memory per node",
+        "trainable parameters",
+        "checkpoint (fp32 + AdamW)",
+        "step time, projected",
+        "fits",
+    ]
+    head = f"LoRA rank {spec.rank}" + (f" + {','.join(spec.train)}" if spec.train else "")
+    title = f"full fine-tuning vs LoRA ({this})"
+    lines = [f"{title:42}{'full fine-tuning':>18}{head:>24}"]
+    for name, full, lora in zip(names, *columns, strict=True):
+        lines.append(f"  {name:40}{full:>18}{lora:>24}")
+    lines.append("  (projected from memory/steptime.py's rates, not measured)")
+    return lines
 
 
 def retrieval_time(cfg, mc, sp: int, dp: int, rates=None) -> list[str]:

@@ -11,8 +11,8 @@
     peak_tflops(device), cuda_reserved_gb(device)   # the GPU's figures for mfu, reserved_gb
 
 Only rank 0 writes; on the other ranks every method is a no-op, so the loop needs no rank checks.
-The record's fields are listed in README ("metrics.jsonl"); a skipped step's non-finite loss and
-grad norm are written as null, because strict JSON readers (jq, JavaScript) have no NaN.
+The record's fields are listed in docs/outputs.md ("metrics.jsonl"); a skipped step's non-finite
+loss and grad norm are written as null, because strict JSON readers (jq, JavaScript) have no NaN.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class StepLog:
         offloaded_bytes,
     ):
         """Note a finished step (1-based `step`) and, on rank 0, write its record and line."""
-        if not result.skipped:
+        if not result.skipped and result.tokens:
             self.first = self.first or (step, result.loss)
             self.last = (step, result.loss)
         self.peak_gb = peak_gb
@@ -170,13 +170,17 @@ class StepLog:
             "mfu": mfu,
             "skipped": result.skipped,
             "nonfinite_steps": self.guard.total,
+            "no_counted_labels": result.tokens == 0,
             **(getattr(result, "router", None) or {}),  # MoE: router loss, experts' load
         }
 
     def console_line(self, rec: dict, offloaded_bytes: int | None) -> str:
+        loss = f"loss {rec['loss'] if rec['loss'] is not None else math.nan:.4f}"
+        if rec["no_counted_labels"]:
+            loss = "no counted labels in this step's rows: no loss, weights unchanged"
         parts = [
             f"step {rec['step']:>4}/{self.cfg.steps}",
-            f"loss {rec['loss'] if rec['loss'] is not None else math.nan:.4f}",
+            loss,
             f"grad_norm {rec['grad_norm'] if rec['grad_norm'] is not None else math.nan:.3f}",
             f"lr {rec['lr']:.2e}",
             f"{rec['tokens']:,} tokens",

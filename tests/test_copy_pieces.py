@@ -1,7 +1,8 @@
-"""Each piece copied alone into someone else's code: README's snippets, on transformers models.
+"""Each piece copied alone into someone else's code: docs/pieces.md's snippets, on transformers
+models.
 
-For each piece in README's "Use a piece in your own code", the files its "Copy ..." line names
-(and nothing else of this repository) go into an empty directory, and the snippet under its
+For each piece in docs/pieces.md ("Use a piece in your own code"), the files its "Copy ..." line
+names (and nothing else of this repository) go into an empty directory, and the snippet under its
 `<!-- snippet: NAME -->` marker runs there, in a process whose sys.path holds that directory and
 the installed packages only, on tiny random transformers models. The reference is the plain
 transformers model: loss and every parameter's gradient within 1e-6 relative in fp32 (the norm
@@ -263,13 +264,15 @@ done({
 }
 
 
-def readme_pieces() -> dict[str, tuple[list[str], str]]:
-    """name -> (files its "Copy" line names, snippet), from README's "Use a piece" section."""
-    with open(os.path.join(ROOT, "README.md")) as f:
+PIECES_PAGE = os.path.join(ROOT, "docs", "pieces.md")
+
+
+def page_pieces() -> dict[str, tuple[list[str], str]]:
+    """name -> (files its "Copy" line names, snippet), one per `## ` section of docs/pieces.md."""
+    with open(PIECES_PAGE) as f:
         text = f.read()
-    section = text.split("## Use a piece in your own code\n", 1)[1].split("\n## ", 1)[0]
     pieces = {}
-    for part in section.split("\n### ")[1:]:
+    for part in text.split("\n## ")[1:]:
         name, code = re.search(r"<!-- snippet: (\w+) -->\n```python\n(.*?)```", part, re.S).groups()
         copy_line = re.search(r"^Copy (.*)$", part, re.M).group(1)
         pieces[name] = (re.findall(r"`([\w/]+\.py)`", copy_line), code)
@@ -295,9 +298,9 @@ def server(tmp_path_factory):
 
 
 def run_piece(server, tmp_path, name: str) -> dict:
-    """README's snippet `name` in a directory holding only its files; what the driver saved."""
-    files, snippet = readme_pieces()[name]
-    assert files, f"README names no file to copy for {name}"
+    """The page's snippet `name` in a directory holding only its files; what the driver saved."""
+    files, snippet = page_pieces()[name]
+    assert files, f"docs/pieces.md names no file to copy for {name}"
     piece = tmp_path / name
     piece.mkdir()
     for path in files:
@@ -327,8 +330,8 @@ def assert_same(case: str, got: dict, ref: dict) -> None:
         assert diff <= REL * g0.norm().item(), f"{case}: {n} off by {diff / g0.norm().item():.2e}"
 
 
-def test_readme_names_each_piece_once_with_files_that_exist():
-    pieces = readme_pieces()
+def test_pieces_page_names_each_piece_once_with_files_that_exist():
+    pieces = page_pieces()
     assert sorted(pieces) == ["loss", "offload", "tiled_mlp", "ulysses"]
     for name, (files, snippet) in pieces.items():
         assert all(os.path.exists(os.path.join(ROOT, f)) for f in files), (name, files)

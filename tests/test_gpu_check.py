@@ -22,7 +22,7 @@ from model.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("loss", "layers", "attention", "backends", "optimizer", "int32", "cpu_offload")
-SECTIONS += ("projection",)
+SECTIONS += ("documents", "projection")
 
 
 def _script(name, *args, timeout=120):
@@ -121,6 +121,18 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     assert (c["model"], c["step"]) == ("tiny", 2) and c["planned_peak_gb"] > 0
     _finite(c, ["loss", "step_time_s"], "cpu_offload")
     _finite(r["optimizer"], ["time_s", "params_per_gpu"], "optimizer")
+    # rows of documents at the rank's shape (CPU: one call per document, against itself on the
+    # pinned kernel), each row's time per layer over the stream's in the projection
+    d = r["documents"]
+    assert (d["tokens"], d["heads"], d["documents_kernel"]) == (512, [2, 1, 32], "segments")
+    assert (d["long"]["documents"], d["short"]["documents"]) == (11, 100)
+    assert d["short"]["ones"] > 0 and d["long"]["longest"] == 512 - 10 * (512 // 11)
+    for row in ("long", "short"):
+        _finite(d[row], ["first_call_s", "per_layer_s"], f"documents.{row}")
+        _finite(d[row], ["first_call_overhead_s"], f"documents.{row}", nonnegative=False)
+        assert d[row]["agrees"] is True and max(d[row]["vs_per_document"].values()) == 0.0
+        want = d[row]["per_layer_s"] / r["projection"]["terms"]["attention_s"]
+        assert r["projection"][f"documents_{row}_vs_stream"] == pytest.approx(want, rel=1e-12)
     p = r["projection"]
     _finite(p, ["planner_floor_s", "planner_flops", "a2a_s", "planner_peak_gb"], "projection")
     _finite(p, ["step_s", "layer_s"], "projection", nonnegative=False)

@@ -56,7 +56,7 @@ def last_line(script: str, env: dict) -> str:
 
 
 def test_allocator_settings_are_set_before_torch_is_imported_unless_the_user_chose():
-    """Expandable segments, and the host blocks pinned through cudaHostRegister in 8 threads."""
+    """Expandable segments, and the host blocks pre-faulted by 8 threads, then cudaHostRegister."""
     want = "expandable_segments:True,"
     want += "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
     assert torch_import_setting({}) == f"at torch import: {want}"

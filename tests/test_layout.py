@@ -62,6 +62,19 @@ def test_model_and_loss_stand_alone_and_open_with_usage(path):
     assert any(is_python(line.strip()) for line in opening), f"{path} opens with no usage"
 
 
+@pytest.mark.parametrize("path", python_files("model", "loss", "memory", "run", "data"))
+def test_module_docstrings_are_at_most_45_lines(path):
+    """A module docstring says what the file is for, how to use it and the one idea, in about 40
+    lines; derivations live next to the code they explain or in docs/. Counted in the file, from
+    the opening quotes to the closing ones."""
+    tree = parse(path)
+    if not ast.get_docstring(tree):
+        return
+    doc = tree.body[0]
+    lines = doc.end_lineno - doc.lineno + 1
+    assert lines <= 45, f"{path}: the module docstring is {lines} lines"
+
+
 def is_python(line: str) -> bool:
     try:
         ast.parse(line)
@@ -143,6 +156,53 @@ def test_readme_file_tour_line_counts_are_the_files():
         assert n == want, f"README's tour says {path} has {n} lines; it has {want}"
 
 
+README_MAX_LINES = 350  # the commands, the tour, the glossary, headline numbers, then links
+
+
+def test_readme_is_at_most_350_lines():
+    """README is read first: what does not fit goes to a page under docs/ with a link."""
+    n = lines_of("README.md")
+    assert n <= README_MAX_LINES, f"README.md is {n} lines; move a section to docs/"
+
+
+def markdown_pages() -> list[str]:
+    docs = sorted(n for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
+    return ["README.md", *(f"docs/{n}" for n in docs)]
+
+
+def relative_links(text: str) -> list[str]:
+    """The targets of `[text](target)` and `![alt](target)` outside code, less web addresses."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # fenced code blocks
+    text = re.sub(r"`[^`\n]*`", "", text)  # inline code, such as `a[i](x)`
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t)]  # https:, mailto:
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchor of each heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    headings = re.findall(r"^#+ (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("page", markdown_pages())
+def test_every_relative_link_resolves(page):
+    """Each relative link names a file that exists, and an anchor in a page names a heading."""
+    with open(os.path.join(ROOT, page)) as f:
+        text = f.read()
+    broken = []
+    for link in relative_links(text):
+        path, _, anchor = link.partition("#")
+        target = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+        if not os.path.exists(os.path.join(ROOT, target)):
+            broken.append(link)
+        elif anchor and target.endswith(".md"):
+            with open(os.path.join(ROOT, target)) as f:
+                if anchor not in heading_anchors(f.read()):
+                    broken.append(link)
+    assert not broken, f"{page}: links to nothing: {broken}"
+
+
 def run_imports(path: str) -> set[str]:
     """The run/ modules a run/ file imports, at its top or inside a function."""
     found = set()
@@ -184,11 +244,11 @@ def test_a_replay_is_coordinated_by_objects_not_module_globals():
     """What a checkpoint's recompute does differently (the attention store's hand-back, the tiled
     MLP's skipped tiles, the prefetch) travels in model/checkpoint_offload.py's LayerReplay and the
     objects it hands on, never through a module-level variable: of the three files only
-    attention.py rebinds one, the kernel set_backend pins for the process, which no other file
-    reads."""
+    attention.py rebinds two, the kernels set_backend and set_documents_kernel pin for the
+    process, which no other file reads."""
     rebound = {path: rebound_globals(path) for path in REPLAY_FILES}
     assert rebound == {
-        "model/attention.py": {"_PINNED"},
+        "model/attention.py": {"_PINNED", "_DOCUMENTS_PINNED"},
         "model/tiled_mlp.py": set(),
         "model/checkpoint_offload.py": set(),
     }, rebound

@@ -36,6 +36,7 @@ from dist_utils import run_distributed  # noqa: E402
 from memory.plan import plan  # noqa: E402
 from model.checkpoint_offload import LayerPlacement  # noqa: E402
 from model.config import Qwen3Config  # noqa: E402
+from model.lora import LoraSpec  # noqa: E402
 from model.qwen3 import RMSNORM_CHUNK_ELEMS  # noqa: E402
 
 TINY = replace(Qwen3Config.preset("tiny"), max_position_embeddings=1 << 16)  # GQA 2, head_dim 32
@@ -78,6 +79,10 @@ LOSSY = replace(LIKE_8B, vocab_size=4096)  # the loss phase makes the peak
 SAVE = {"save_attention": True}
 # FSDP2 CPU offload: fp32 shards, gradients, AdamW states on the host
 CPU_OFF = {"cpu_offload": True}
+# LoRA (model/lora.py): every linear layer adapted, the base frozen; with the norms and the
+# embedding training too (layer 0's input then needs grad and goes to the host)
+LORA = {"lora": LoraSpec(rank=8)}
+LORA_TRAIN = {"lora": LoraSpec(rank=8, train=("norm", "embed_tokens"))}
 
 
 def layers(*where: str) -> dict:
@@ -142,6 +147,8 @@ MATRIX = {
         {**SAVE, **CPU_OFF},
     ),
     "sp2 4 layers mixed": (DEEP, 2, 2, 4096, "float32", True, 0, 256, MIXED),
+    "sp2 lora": (TINY, 2, 2, 4096, "float32", True, 0, 256, LORA),
+    "sp2 8B-like tiled lora train": (LIKE_8B, 2, 2, 4096, "float32", True, 256, 128, LORA_TRAIN),
     "sp2 8B-like tiled mixed": (
         DEEP_8B,
         2,
@@ -213,7 +220,8 @@ def _steps(rank, world, specs, rehearse=False):
 
     out = []
     for spec in specs:
-        cfg_dict, sp, seq_len, dtype, offload, tile, chunk, norm_chunk, save, cpu_off, where = spec
+        cfg_dict, sp, seq_len, dtype, offload, tile, chunk, norm_chunk, save, cpu_off = spec[:10]
+        where, lora = spec[10:]
         cfg, dtype = Qwen3Config(**cfg_dict), getattr(torch, dtype)
         _RMSNormFn.CHUNK_ELEMS = norm_chunk
         torch.manual_seed(0)
@@ -227,6 +235,7 @@ def _steps(rank, world, specs, rehearse=False):
             progress=False,
             cpu_offload=cpu_off,
             fake_mode=mode,
+            lora=lora,
         )
         model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
         if where:  # a mixed layout: the placements say it all
@@ -268,18 +277,18 @@ def _steps(rank, world, specs, rehearse=False):
 
 def _spec(name):
     """(config, world, sp, seq_len, dtype, offload, tile, loss chunk, norm chunk, save_attention,
-    cpu_offload, placements or None)."""
+    cpu_offload, placements or None, LoraSpec or None)."""
     s = MATRIX[name]
     extra = s[8:]
     flags = extra[-1] if extra and isinstance(extra[-1], dict) else {}
     nc = next((e for e in extra if isinstance(e, int)), RMSNORM_CHUNK_ELEMS)
     save, cpu_off = bool(flags.get("save_attention")), bool(flags.get("cpu_offload"))
-    return (*s[:8], nc, save, cpu_off, flags.get("placements"))
+    return (*s[:8], nc, save, cpu_off, flags.get("placements"), flags.get("lora"))
 
 
 def _plan(name):
     """memory/plan.py's plan of a matrix layout, for the CPU path the matrix measures."""
-    c, world, sp, T, dt, off, tile, ch, nc, sa, co, where = _spec(name)
+    c, world, sp, T, dt, off, tile, ch, nc, sa, co, where, lora = _spec(name)
     given = {"placements": tuple(LayerPlacement(*w) for w in where)} if where else {}
     return plan(
         c,
@@ -295,6 +304,7 @@ def _plan(name):
         norm_chunk=nc,
         save_attention=sa,
         cpu_offload=co,
+        lora=lora,
         **given,
     )
 

@@ -263,6 +263,7 @@ def test_training_on_synthetic_passkey_takes_accuracy_from_chance_to_high(tmp_pa
         "--loss-on", "predictable", "--dtype", "float32", "--eval-task", "passkey",
         "--eval-lengths", "128", "--eval-depths", "0,0.25,0.5", "--eval-cases", "10",
         "--no-save-final", "--out", str(out),
+        timeout=1800,  # 77 s on an idle 2-core CPU, over 300 s on a busy one; it catches a hang
     )  # fmt: skip
     first, last = eval_records(out)
     assert (first["step"], last["step"]) == (0, 200) and first["cases"] == 30
@@ -275,7 +276,7 @@ def test_training_on_synthetic_passkey_takes_accuracy_from_chance_to_high(tmp_pa
     print(f"passkey accuracy: step 0 {first['accuracy']:.3f}, step 200 {last['accuracy']:.3f}")
     print(f"by depth at step 200 (0, 0.25, 0.5): {by_cell}")
     assert first["accuracy"] <= 0.2
-    assert last["accuracy"] >= 0.9
+    assert last["accuracy"] >= 0.9  # first reached at step 100 of 200 (seed 0, 1 thread)
     assert "eval passkey at step 200 | accuracy" in p.stdout
 
 

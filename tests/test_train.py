@@ -268,7 +268,7 @@ def test_demo_learns_across_shards(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=1800,  # 33 s on an idle 2-core CPU, minutes on a busy one; it catches a hang
     )
     assert p.returncode == 0, p.stderr[-3000:]
     m = metrics(tmp_path / "demo")
@@ -277,6 +277,8 @@ def test_demo_learns_across_shards(tmp_path):
         m[-1]["loss"],
     )  # --loss-on predictable: the loss is the repeated half's
     print(f"demo predictable loss {first:.3f} -> {last:.4f} in {len(m)} steps")
+    # under a third from step 219 of 400 (the preset's seed 1, 1 thread); seeds 2-4: 196-248;
+    # seed 0: not within 400 (the demo preset, not this test, would need a surer rate)
     assert len(m) == 400 and last < first / 3, p.stdout[-2000:]
     assert (
         f"loss on the predictable labels: {first:.4f} at step 1 -> {last:.4f} at step 400"
