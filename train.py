@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from run.adapter import export_lora, lora_spec
+from run.adapter import DEFAULT_TARGETS, export_lora, lora_spec
 from run.allocator import set_allocator_settings
 from run.signals import StopSignals
 
@@ -239,7 +239,9 @@ class TrainConfig:
     lora_alpha: float = arg(8.0, "LoRA alpha: the adapters are scaled by alpha / rank (PEFT's)")
     lora_dropout: float = arg(0.0, "dropout on the adapters' input")
     lora_targets: str = arg(
-        "q,k,v,o,gate,up,down", "the linear layers that get adapters (comma-separated)"
+        DEFAULT_TARGETS,
+        "the linear layers that get adapters (comma-separated; a mixture of experts: gate,up,down "
+        "only in its dense layers)",
     )
     lora_train: str = arg(
         "", "whole tensors that train too, from embed,norm,head (PEFT's modules_to_save)"

@@ -258,7 +258,8 @@ def layer_backward_moments(
             Buffer.OUTPUT_GRAD: X,
             Buffer.MOE_ROUTING: _moe_routing(c, t, b),
             Buffer.MOE_TILE: _moe_tile(c, t, mlp_tile, b, backward=True),
-            Buffer.MOE_WEIGHT_GRAD_ACC: 2 * 3 * H * moe * 4,
+            # LoRA: the experts are frozen, so no expert's gradients are accumulated
+            Buffer.MOE_WEIGHT_GRAD_ACC: 0 if lora_adapters else 2 * 3 * H * moe * 4,
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
         }
         inter = c.num_experts * moe  # the layer's MLP gradients: every expert's

@@ -72,11 +72,14 @@ def _layer_shapes(c: Qwen3Config, i: int | None = None) -> dict[str, tuple[int, 
     }
 
 
-def adapter_shapes(c: Qwen3Config, lora: LoraSpec) -> dict[str, tuple[int, ...]]:
-    """One decoder layer's LoRA adapters (model/lora.py): lora_A [rank, in] and lora_B
-    [out, rank] of every targeted linear layer, under their names in the layer."""
+def adapter_shapes(
+    c: Qwen3Config, lora: LoraSpec, i: int | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Layer i's LoRA adapters (model/lora.py): lora_A [rank, in] and lora_B [out, rank] of
+    every targeted linear layer, under their names in the layer; i None: the largest layer's.
+    A sparse layer's router (named gate, not gate_proj) and stacked experts (3-D) take none."""
     out = {}
-    for name, shape in _layer_shapes(c).items():
+    for name, shape in _layer_shapes(c, i).items():
         module = name.removesuffix(".weight")
         if len(shape) == 2 and module.rsplit(".", 1)[-1] in lora.targets:
             rows, cols = shape
@@ -149,7 +152,8 @@ def fsdp_units(
     shapes = dict(param_shapes(c))
     if lora is not None:
         for i in range(c.num_hidden_layers):
-            shapes.update({f"model.layers.{i}.{k}": v for k, v in adapter_shapes(c, lora).items()})
+            adapters = adapter_shapes(c, lora, i)
+            shapes.update({f"model.layers.{i}.{k}": v for k, v in adapters.items()})
     trained = {k: v for k, v in shapes.items() if trains(k, lora)}
     frozen = sum(shard_numel(v, world) for k, v in shapes.items() if k not in trained)
     trainable = sum(shard_numel(v, world) for v in trained.values())
@@ -224,8 +228,9 @@ def step_flops(
     model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn
     dense_bwd, loss = 2 * dense, 3 * lm_head
     if lora is not None:
-        adapters = sum(math.prod(s) for s in adapter_shapes(c, lora).values())
-        adapter_fwd = 2.0 * adapters * c.num_hidden_layers * T
+        layers = range(c.num_hidden_layers)
+        adapters = sum(math.prod(s) for i in layers for s in adapter_shapes(c, lora, i).values())
+        adapter_fwd = 2.0 * adapters * T
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         loss = (3 if trains(head, lora) else 2) * lm_head
         dense_bwd = dense + 2 * adapter_fwd  # the frozen weights: their input's gradient only

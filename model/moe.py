@@ -43,6 +43,7 @@ from torch._subclasses.fake_tensor import FakeTensor  # a rehearsal's tensors: s
 
 __all__ = [
     "Experts",
+    "Router",
     "RoutingStats",
     "SparseMoeBlock",
     "expert_pieces",
@@ -211,6 +212,15 @@ def _router_backward(block, x2, w_router, experts, d_weights, dx, need_r):
     return acc.to(w_router.dtype) if need_r else None
 
 
+class Router(nn.Linear):
+    """The router's bias-free linear layer, weight [experts, hidden]. A type of its own, as
+    transformers' Qwen3MoeTopKRouter is, so LoRA (model/lora.py adapts plain nn.Linear only,
+    PEFT the linear layers it finds) never takes it for a projection to adapt."""
+
+    def __init__(self, hidden: int, experts: int):
+        super().__init__(hidden, experts, bias=False)
+
+
 class Experts(nn.Module):
     """Every expert's SwiGLU weights, stacked on dim 0 (transformers 5's Qwen3MoeExperts)."""
 
@@ -235,7 +245,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         if not 1 <= top_k <= experts:
             raise ValueError(f"top_k must be in 1..{experts} (the experts), got {top_k}")
-        self.gate = nn.Linear(hidden, experts, bias=False)
+        self.gate = Router(hidden, experts)
         self.experts = Experts(hidden, intermediate, experts)
         self.num_experts, self.top_k, self.norm_topk_prob = experts, top_k, norm_topk_prob
         self.tile = tile  # token-expert pairs per matrix product (and tokens per router tile)

@@ -21,6 +21,7 @@ import traceback
 
 import torch.distributed as dist
 
+from run.adapter import lora_note
 from run.build import log0
 from run.checkpoint import error_line
 
@@ -46,6 +47,8 @@ def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
         f"{device.type} processes{nodes(world, sp)}: sp {sp} x dp {dp} | {str(dtype)[6:]} | "
         f"{cfg.steps} steps, lr {cfg.lr:g} {cfg.decay}"
     )
+    if note := lora_note(cfg, mc):  # a mixture of experts: its experts take no adapters
+        log0(note)
     if cfg.data == "synthetic:repeat":  # the demo's data: say what it shows
         counted = "the repeated half only" if cfg.loss_on == "predictable" else "every label"
         log0(

@@ -232,6 +232,7 @@ def test_train_matches_transformers_on_every_layout_and_resumes_on_another(tmp_p
             1,
             COEF,
         ),
+        "sp4-kv-repeated": (4, ["--sp", "4", *aux], 1, COEF),  # 2 kv heads over 4 ranks
         "dp2xsp2": (4, ["--sp", "2"], 2, 0.0),
     }
     for name, (n, extra, nrows, coef) in runs.items():
@@ -264,6 +265,7 @@ def test_train_matches_transformers_on_every_layout_and_resumes_on_another(tmp_p
     assert [m["step"] for m in resumed] == [1, 2]
     for a, b in zip(straight, resumed, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
     # the export of 4 ranks (6 experts sharded 2, 2, 2, 0) loads in transformers
     final = str(tmp_path / "dp2xsp2" / "final")
     back = transformers.Qwen3MoeForCausalLM.from_pretrained(final, dtype=torch.float32)
