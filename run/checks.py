@@ -9,7 +9,7 @@ raises ConfigError with one line that names the flag or file and the fix. It als
 then reads, and --gpu-mem-gb 0 into the device's, and refuses a run that no layout fits
 (memory/layouts.py). train.py calls it in every process before torch.distributed starts;
 `train.py --check-only` (what torchrun.sh runs once before launching N processes) calls it and
-the directory checks and exits. `cfg` is train.py's TrainConfig; this file reads its fields
+the directory checks and exits. `cfg` is a TrainConfig; this file reads its fields
 and imports nothing from train.py.
 """
 

@@ -6,7 +6,7 @@
     fail(exc, 2)                       # the one line a failed run prints, and its exit code
 
 The step lines themselves are run/steplog.py's. Every line is printed on rank 0 only (run/build.py's
-log0). `cfg` is train.py's TrainConfig, `mc` the model's Qwen3Config, `log` the run's StepLog.
+log0). `cfg` is a TrainConfig, `mc` the model's Qwen3Config, `log` the run's StepLog.
 """
 
 from __future__ import annotations

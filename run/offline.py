@@ -15,7 +15,7 @@ lengths x GPU counts table). rehearse builds the run exactly as a run would (run
 a fake process group and fake tensors (memory/rehearsal.py) and runs two steps of train.py's own
 train_step, which train.py hands in with its optimizer (this file imports nothing from train.py,
 which runs as __main__); it prints the measured memory per phase and FLOPs next to the plan and
-writes OUT/rehearsal.json and OUT/memory_timeline.png. `cfg` is train.py's TrainConfig.
+writes OUT/rehearsal.json and OUT/memory_timeline.png. `cfg` is run/train_config.py's TrainConfig.
 """
 
 from __future__ import annotations
