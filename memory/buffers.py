@@ -16,10 +16,13 @@ the config: nothing is allocated.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
+from memory.model_size import adapter_shapes
 from model.attention import backward_workspace_bytes
 from model.config import Qwen3Config
+from model.lora import LoraSpec
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
 
 
@@ -37,6 +40,10 @@ class Buffer(str, Enum):
     POST_NORM = "post-attention norm"
     MLP_INPUT = "MLP input (normed h)"
     MLP_INTERMEDIATES = "MLP gate, up, act, product"
+    # LoRA (model/lora.py): each adapter's lora_B saves its input x A^T [t, rank] for its gradient
+    LORA_QKV_RANK = "LoRA x A^T [t, rank] of the q, k, v adapters"
+    LORA_O_RANK = "LoRA x A^T [t, rank] of the o_proj adapter"
+    LORA_MLP_RANK = "LoRA x A^T of the MLP adapters ([tile, rank] when tiled)"
     # around a layer's backward
     LAYER_INPUT = "layer input (copied back from the host, or kept)"
     KEPT_INPUTS = "layer inputs kept on the device (layers not yet in backward)"
@@ -50,6 +57,7 @@ class Buffer(str, Enum):
     MLP_WEIGHT_GRAD_ACC = "MLP fp32 weight-gradient accumulators (3 x H x I)"
     MLP_INPUT_GRAD_BUFFER = "MLP input-gradient buffer"
     MLP_BACKWARD = "MLP: gate, up, act + grads of product, act, up"
+    LORA_MLP_TILE = "LoRA down adapter in an MLP tile: product's summed gradient, adapter output"
     MLP_INPUT_GRAD = "MLP input gradient"
     NORM_INPUT_GRAD = "norm input gradient"
     NORM_TEMPORARIES = "RMSNorm backward fp32 temporaries (one row chunk)"
@@ -138,6 +146,7 @@ def layer_saved_bytes(
     fused_norm: bool = True,
     tiled_mlp: bool = True,
     compute_bytes: int = 2,
+    lora: LoraSpec | None = None,
 ) -> dict[Buffer, int]:
     """What autograd keeps for one decoder layer's backward once it has been recomputed.
 
@@ -147,26 +156,41 @@ def layer_saved_bytes(
     RoPE saves only cos/sin; SDPA (flash, with enable_gqa: kv heads are not repeated to the query
     heads) saves q, k, v, out and an fp32 logsumexp; with sp = 1 o_proj's input is a view of
     SDPA's out, with sp > 1 it is the all-to-all's result; a tiled MLP saves only its input.
+    lora: each adapted linear's lora_A saves its input (the base linear's, already counted: no
+    dropout) and lora_B saves x A^T, [t, rank] per adapter; the frozen weights save nothing more.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
     nh, nkv = c.num_attention_heads, c.num_key_value_heads
     X, Q = t * H * b, t * nh * hd * b  # hidden-sized; q-sized ([t, nh, hd] == [T, nh/sp, hd])
     K = t * max(nkv, sp) * hd * b  # k or v at SDPA: [T, nkv/sp, hd]; one repeated head if sp > nkv
+    adapted = _adapted(lora)
+    R = t * lora.rank * b if lora else 0  # one adapter's x A^T, [t, rank]
     return {
         Buffer.INPUT_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=True),
         Buffer.NORMED_INPUT: X,
+        Buffer.LORA_QKV_RANK: R * len(adapted & {"q_proj", "k_proj", "v_proj"}),
         Buffer.QK_NORMS: _norm_saved(t * nh, hd, b, fused_norm, False)
         + _norm_saved(t * nkv, hd, b, fused_norm, False),
         Buffer.QKV_AT_SDPA: Q + 2 * K,  # q, and k and v
         Buffer.ATTN_OUT: Q,
         Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T] in fp32 (4 bytes)
         Buffer.O_PROJ_INPUT: Q if sp > 1 else 0,
+        Buffer.LORA_O_RANK: R * len(adapted & {"o_proj"}),
         Buffer.POST_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=False),
         Buffer.MLP_INPUT: X,
         # untiled: 4 x [t, intermediate]: gate, up, act = silu(gate), product = act * up
         Buffer.MLP_INTERMEDIATES: 0 if tiled_mlp else 4 * t * inter * b,
+        Buffer.LORA_MLP_RANK: 0 if tiled_mlp else R * len(adapted & MLP_PROJECTIONS),
     }
+
+
+MLP_PROJECTIONS = {"gate_proj", "up_proj", "down_proj"}
+
+
+def _adapted(lora: LoraSpec | None) -> set[str]:
+    """The names of a decoder layer's linear layers that carry a LoRA adapter (none: no LoRA)."""
+    return set(lora.targets) if lora else set()
 
 
 def _saved_through(saved: dict[Buffer, int], last: Buffer) -> dict[Buffer, int]:
@@ -189,7 +213,7 @@ def layer_backward_moments(
     device: str = "cuda",
     norm_chunk: int = RMSNORM_CHUNK_ELEMS,
     attn_backend: str = "cudnn",
-    lora_adapters: tuple[int, int] | None = None,
+    lora: LoraSpec | None = None,
 ) -> dict[str, dict[Buffer, int]]:
     """The activation bytes of one recomputed decoder layer's backward at its four moments.
 
@@ -210,35 +234,58 @@ def layer_backward_moments(
         partial results of the last expression, live together at its final product).
     The all-to-all's staging copies (3 q-sized buffers around one exchange) and a tile's bf16
     weight-gradient products come at moments that hold less than these.
-    lora_adapters (LoRA: the layer's adapter elements, and its MLP's): the frozen weights make no
-    gradient, so the layer's own gradients are the adapters' (counted whole at every moment)
-    and the tiled MLP accumulates only its adapters' in fp32.
+    lora (model/lora.py): the frozen weights make no gradient, so the layer's own gradients are
+    the adapters' (counted whole at every moment) and the tiled MLP accumulates only its
+    adapters' in fp32; the adapters' saved x A^T are layer_saved_bytes'. In a tile's backward
+    (model/tiled_mlp.py) a down_proj adapter adds a [tile, intermediate] and a [tile, hidden]:
+    the product's gradient is the given one (still referenced) summed with the adapter's part,
+    and the adapter's output is held while autograd takes the tile's gradients.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd, nh = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads
     X, Q = t * H * b, t * nh * hd * b
     K = t * max(c.num_key_value_heads, sp) * hd * b
     Kl = t * c.num_key_value_heads * hd * b  # k or v before any repeat, [t, nkv, hd]
-    saved = layer_saved_bytes(c, t, sp, fused_norm=fused_norm, tiled_mlp=tiled_mlp, compute_bytes=b)
+    saved = layer_saved_bytes(
+        c, t, sp, fused_norm=fused_norm, tiled_mlp=tiled_mlp, compute_bytes=b, lora=lora
+    )
+    adapted = _adapted(lora)
+    mlp_adapters = len(adapted & MLP_PROJECTIONS)
+    if lora is not None:  # elements of the layer's adapters, and of its MLP's
+        shapes = adapter_shapes(c, lora)
+        adapter_elements = sum(math.prod(s) for s in shapes.values())
+        mlp_adapter_elements = sum(math.prod(s) for k, s in shapes.items() if k.startswith("mlp."))
     io = {  # offload=False: the input is among the kept ones (memory/plan.py counts it so)
         Buffer.LAYER_INPUT: X if offload else 0,
         Buffer.NEXT_INPUT: X if offload else 0,
         Buffer.ROPE: 2 * t * hd * b,  # cos and sin, [t, hd] each
     }
     if tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
+        rows = min(mlp_tile, t)
+        down_adapter = "down_proj" in adapted
         mlp = {
             Buffer.OUTPUT_GRAD: X,
             # 7 x [tile, intermediate]: the tile's gate, up, act = silu(gate) and product =
             # act * up (4), and the gradients of product, act and up (3)
-            Buffer.MLP_TILE: 7 * min(mlp_tile, t) * inter * b,
+            Buffer.MLP_TILE: 7 * rows * inter * b,
             # 3 fp32 (4-byte) accumulators, one per weight: gate_proj, up_proj, down_proj; under
             # LoRA only the adapters' accumulators
-            Buffer.MLP_WEIGHT_GRAD_ACC: (lora_adapters[1] if lora_adapters else 3 * H * inter) * 4,
+            Buffer.MLP_WEIGHT_GRAD_ACC: (mlp_adapter_elements if lora else 3 * H * inter) * 4,
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
+            # the tile's x A^T [tile, rank] of each MLP adapter, saved for lora_B's gradient
+            Buffer.LORA_MLP_RANK: mlp_adapters * rows * lora.rank * b if lora else 0,
+            # a down_proj adapter: the product's summed gradient [tile, intermediate] beside the
+            # given one, and the adapter's output [tile, hidden]
+            Buffer.LORA_MLP_TILE: rows * (inter + H) * b if down_adapter else 0,
         }
     else:  # the product itself is freed at its backward; gate, up and act are counted here
-        # 6 x [t, intermediate]: gate, up, act (3), and the gradients of product, act and up (3)
-        mlp = {Buffer.OUTPUT_GRAD: X, Buffer.MLP_BACKWARD: 6 * t * inter * b}
+        # 6 x [t, intermediate]: gate, up, act (3), and the gradients of product, act and up (3);
+        # LoRA: the MLP adapters' x A^T [t, rank] (saved by the forward)
+        mlp = {
+            Buffer.OUTPUT_GRAD: X,
+            Buffer.MLP_BACKWARD: 6 * t * inter * b,
+            Buffer.LORA_MLP_RANK: saved[Buffer.LORA_MLP_RANK],
+        }
     post = {
         Buffer.OUTPUT_GRAD: X,
         Buffer.MLP_INPUT_GRAD: X,
@@ -267,8 +314,8 @@ def layer_backward_moments(
     # weight gradients are in the fp32 accumulators until its backward ends.
     HI, HQ = H * inter * b, H * nh * hd * b
     grads = [0 if tiled_mlp else HI, 3 * HI, 3 * HI + HQ, 3 * HI + HQ]
-    if lora_adapters is not None:
-        grads = [lora_adapters[0] * b] * 4
+    if lora is not None:
+        grads = [adapter_elements * b] * 4
     return {
         "MLP backward": {
             **io,
@@ -432,7 +479,8 @@ def loss_moments(
     temporaries: the chunk's logits [chunk, V] before their upcast, and the [V, H] product added
     into the accumulator; one is freed before the other is made. "loss backward": the accumulator
     and its cast to the weight's dtype, the hidden gradient and its scaled copy (train.py drops
-    the hidden states). head_grad=False (a frozen lm_head, LoRA): no accumulator, no cast.
+    the hidden states). Both hold the RoPE tables, saved by every layer's checkpoint for its
+    recompute. head_grad=False (a frozen lm_head, LoRA): no accumulator, no cast.
     """
     c, b = config, compute_bytes
     V, H = c.vocab_size, c.hidden_size
@@ -443,8 +491,10 @@ def loss_moments(
     if low and not fused:
         chunk += max(rows * V * b, V * H * b if head_grad else 0)
     norm = _norm_saved(tokens, H, b, fused_norm, input_elsewhere=False)
+    rope = 2 * tokens * c.head_dim * b  # cos and sin [t, hd]: every layer's checkpoint holds them
     return {
         "loss forward": {
+            Buffer.ROPE: rope,
             Buffer.FINAL_NORM: norm,
             Buffer.HIDDEN: X,
             Buffer.HIDDEN_GRAD: X,
@@ -452,6 +502,7 @@ def loss_moments(
             Buffer.LOSS_CHUNK: chunk,
         },
         "loss backward": {
+            Buffer.ROPE: rope,
             Buffer.FINAL_NORM: norm,
             Buffer.LM_HEAD_GRAD_ACC: V * H * 4 if head_grad else 0,
             Buffer.LM_HEAD_GRAD: V * H * b if head_grad else 0,
