@@ -40,10 +40,10 @@ class Buffer(str, Enum):
     POST_NORM = "post-attention norm"
     MLP_INPUT = "MLP input (normed h)"
     MLP_INTERMEDIATES = "MLP gate, up, act, product"
-    # LoRA (model/lora.py): each adapter's lora_B saves its input x A^T [t, rank] for its gradient
-    LORA_QKV_RANK = "LoRA x A^T [t, rank] of the q, k, v adapters"
-    LORA_O_RANK = "LoRA x A^T [t, rank] of the o_proj adapter"
-    LORA_MLP_RANK = "LoRA x A^T of the MLP adapters ([tile, rank] when tiled)"
+    # LoRA (model/lora.py): what the adapters save for their gradients (see _lora_saved)
+    LORA_QKV = "LoRA q, k, v adapters: x A^T [t, rank] (with dropout: dropped x and mask)"
+    LORA_O = "LoRA o_proj adapter: x A^T [t, rank] (with dropout: dropped x and mask)"
+    LORA_MLP = "LoRA MLP adapters: x A^T [t or tile, rank] (with dropout: dropped x and mask)"
     # around a layer's backward
     LAYER_INPUT = "layer input (copied back from the host, or kept)"
     KEPT_INPUTS = "layer inputs kept on the device (layers not yet in backward)"
@@ -147,6 +147,7 @@ def layer_saved_bytes(
     tiled_mlp: bool = True,
     compute_bytes: int = 2,
     lora: LoraSpec | None = None,
+    device: str = "cuda",
 ) -> dict[Buffer, int]:
     """What autograd keeps for one decoder layer's backward once it has been recomputed.
 
@@ -156,41 +157,63 @@ def layer_saved_bytes(
     RoPE saves only cos/sin; SDPA (flash, with enable_gqa: kv heads are not repeated to the query
     heads) saves q, k, v, out and an fp32 logsumexp; with sp = 1 o_proj's input is a view of
     SDPA's out, with sp > 1 it is the all-to-all's result; a tiled MLP saves only its input.
-    lora: each adapted linear's lora_A saves its input (the base linear's, already counted: no
-    dropout) and lora_B saves x A^T, [t, rank] per adapter; the frozen weights save nothing more.
+    lora: a frozen weight's linear saves nothing of its input, so an input is kept only where an
+    adapter without dropout saves it (tiled, the MLP's input always); the adapters save what
+    _lora_saved counts, whose dropout mask is 1 byte an element on CUDA, b on a CPU.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
     nh, nkv = c.num_attention_heads, c.num_key_value_heads
     X, Q = t * H * b, t * nh * hd * b  # hidden-sized; q-sized ([t, nh, hd] == [T, nh/sp, hd])
     K = t * max(nkv, sp) * hd * b  # k or v at SDPA: [T, nkv/sp, hd]; one repeated head if sp > nkv
-    adapted = _adapted(lora)
-    R = t * lora.rank * b if lora else 0  # one adapter's x A^T, [t, rank]
+    mask = 1 if device == "cuda" else b  # dropout's mask: CUDA's bool, a CPU's scaled noise
+
+    def input_saved(names: set[str]) -> bool:  # by these linear layers' own backward
+        return lora is None or (lora.dropout == 0 and bool(names & set(lora.targets)))
+
     return {
         Buffer.INPUT_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=True),
-        Buffer.NORMED_INPUT: X,
-        Buffer.LORA_QKV_RANK: R * len(adapted & {"q_proj", "k_proj", "v_proj"}),
+        Buffer.NORMED_INPUT: X if input_saved({"q_proj", "k_proj", "v_proj"}) else 0,
+        Buffer.LORA_QKV: _lora_saved(c, lora, {"q_proj", "k_proj", "v_proj"}, t, b, mask),
         Buffer.QK_NORMS: _norm_saved(t * nh, hd, b, fused_norm, False)
         + _norm_saved(t * nkv, hd, b, fused_norm, False),
         Buffer.QKV_AT_SDPA: Q + 2 * K,  # q, and k and v
         Buffer.ATTN_OUT: Q,
         Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T] in fp32 (4 bytes)
-        Buffer.O_PROJ_INPUT: Q if sp > 1 else 0,
-        Buffer.LORA_O_RANK: R * len(adapted & {"o_proj"}),
+        Buffer.O_PROJ_INPUT: Q if sp > 1 and input_saved({"o_proj"}) else 0,
+        Buffer.LORA_O: _lora_saved(c, lora, {"o_proj"}, t, b, mask),
         Buffer.POST_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=False),
-        Buffer.MLP_INPUT: X,
-        # untiled: 4 x [t, intermediate]: gate, up, act = silu(gate), product = act * up
-        Buffer.MLP_INTERMEDIATES: 0 if tiled_mlp else 4 * t * inter * b,
-        Buffer.LORA_MLP_RANK: 0 if tiled_mlp else R * len(adapted & MLP_PROJECTIONS),
+        Buffer.MLP_INPUT: X if tiled_mlp or input_saved({"gate_proj", "up_proj"}) else 0,
+        # untiled: 4 x [t, intermediate]: gate, up, act = silu(gate), product = act * up (the
+        # product saved by down_proj)
+        Buffer.MLP_INTERMEDIATES: 0
+        if tiled_mlp
+        else (3 + input_saved({"down_proj"})) * t * inter * b,
+        Buffer.LORA_MLP: 0 if tiled_mlp else _lora_saved(c, lora, MLP_PROJECTIONS, t, b, mask),
     }
 
 
 MLP_PROJECTIONS = {"gate_proj", "up_proj", "down_proj"}
 
 
-def _adapted(lora: LoraSpec | None) -> set[str]:
-    """The names of a decoder layer's linear layers that carry a LoRA adapter (none: no LoRA)."""
-    return set(lora.targets) if lora else set()
+def _lora_saved(
+    c: Qwen3Config, lora: LoraSpec | None, names: set[str], rows: int, b: int, mask: int
+) -> int:
+    """Bytes the LoRA adapters of the linear layers `names` (those lora targets) save for backward
+    over `rows` tokens (model/lora.py's LoraLinear, or a tile's _low_rank_delta): lora_B's input
+    x A^T [rows, rank]. lora_A's input is the linear's own input (counted by the caller) unless
+    dropout makes its own: then the dropped x [rows, in] and dropout's mask (`mask` bytes an
+    element)."""
+    if lora is None:
+        return 0
+    H, inter, q = c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim
+    inputs = dict(q_proj=H, k_proj=H, v_proj=H, o_proj=q, gate_proj=H, up_proj=H, down_proj=inter)
+    total = 0
+    for name in names & set(lora.targets):
+        total += rows * lora.rank * b
+        if lora.dropout > 0:
+            total += rows * inputs[name] * (b + mask)
+    return total
 
 
 def _saved_through(saved: dict[Buffer, int], last: Buffer) -> dict[Buffer, int]:
@@ -247,10 +270,15 @@ def layer_backward_moments(
     K = t * max(c.num_key_value_heads, sp) * hd * b
     Kl = t * c.num_key_value_heads * hd * b  # k or v before any repeat, [t, nkv, hd]
     saved = layer_saved_bytes(
-        c, t, sp, fused_norm=fused_norm, tiled_mlp=tiled_mlp, compute_bytes=b, lora=lora
+        c,
+        t,
+        sp,
+        fused_norm=fused_norm,
+        tiled_mlp=tiled_mlp,
+        compute_bytes=b,
+        lora=lora,
+        device=device,
     )
-    adapted = _adapted(lora)
-    mlp_adapters = len(adapted & MLP_PROJECTIONS)
     if lora is not None:  # elements of the layer's adapters, and of its MLP's
         shapes = adapter_shapes(c, lora)
         adapter_elements = sum(math.prod(s) for s in shapes.values())
@@ -262,7 +290,7 @@ def layer_backward_moments(
     }
     if tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
         rows = min(mlp_tile, t)
-        down_adapter = "down_proj" in adapted
+        down_adapter = lora is not None and "down_proj" in lora.targets
         mlp = {
             Buffer.OUTPUT_GRAD: X,
             # 7 x [tile, intermediate]: the tile's gate, up, act = silu(gate) and product =
@@ -272,19 +300,21 @@ def layer_backward_moments(
             # LoRA only the adapters' accumulators
             Buffer.MLP_WEIGHT_GRAD_ACC: (mlp_adapter_elements if lora else 3 * H * inter) * 4,
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
-            # the tile's x A^T [tile, rank] of each MLP adapter, saved for lora_B's gradient
-            Buffer.LORA_MLP_RANK: mlp_adapters * rows * lora.rank * b if lora else 0,
+            # what the tile's MLP adapters save, over the tile's rows
+            Buffer.LORA_MLP: _lora_saved(
+                c, lora, MLP_PROJECTIONS, rows, b, 1 if device == "cuda" else b
+            ),
             # a down_proj adapter: the product's summed gradient [tile, intermediate] beside the
             # given one, and the adapter's output [tile, hidden]
             Buffer.LORA_MLP_TILE: rows * (inter + H) * b if down_adapter else 0,
         }
     else:  # the product itself is freed at its backward; gate, up and act are counted here
         # 6 x [t, intermediate]: gate, up, act (3), and the gradients of product, act and up (3);
-        # LoRA: the MLP adapters' x A^T [t, rank] (saved by the forward)
+        # LoRA: what the MLP adapters saved in the forward
         mlp = {
             Buffer.OUTPUT_GRAD: X,
             Buffer.MLP_BACKWARD: 6 * t * inter * b,
-            Buffer.LORA_MLP_RANK: saved[Buffer.LORA_MLP_RANK],
+            Buffer.LORA_MLP: saved[Buffer.LORA_MLP],
         }
     post = {
         Buffer.OUTPUT_GRAD: X,

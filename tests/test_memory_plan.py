@@ -32,7 +32,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_8B = Qwen3Config.preset("qwen3-8b")
 T_1M = 1_048_576
 
-LORA = LoraSpec(rank=8)  # every linear layer of the decoder adapted
+# every linear layer of the decoder adapted, with dropout on the adapters' input, and q and v
+# alone (the frozen o_proj and MLP then keep none of their inputs)
+LORAS = {
+    "lora": LoraSpec(rank=8),
+    "lora dropout": LoraSpec(rank=8, dropout=0.1),
+    "lora q, v": LoraSpec(rank=8, targets=("q_proj", "v_proj")),
+}
 TINY = Qwen3Config.preset("tiny")  # untied, GQA 2, head_dim 32 != 64 / 4
 CONFIGS = {
     "tiny": TINY,
@@ -151,12 +157,12 @@ def _fake_world(world: int) -> dict:
 
         groups = {1: None, 2: dist.new_group([0, 1]), world: dist.group.WORLD}
         # 4 query heads; kv heads 2 (repeated at sp=4) and 4; LoRA on every linear layer
-        for name, lora in (("tiny", None), ("tied", None), ("tiny", LORA)):
+        for name, lora in [("tiny", None), ("tied", None), *(("tiny", k) for k in LORAS)]:
             cfg, t = CONFIGS[name], 96
             for sp, group in groups.items():
                 layer = DecoderLayer(cfg)
                 if lora is not None:
-                    add_lora(layer, lora)
+                    add_lora(layer, LORAS[lora])
                 layer = layer.to(torch.bfloat16)
                 if group is not None:
                     layer.self_attn.attn_fn = UlyssesAttention(group)
@@ -173,7 +179,7 @@ def _fake_world(world: int) -> dict:
 
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda a: a):
                     layer(x, cos, sin)
-                out["saved"][f"{name}/{sp}{' lora' if lora else ''}"] = sum(seen.values())
+                out["saved"][f"{name}/{sp} {lora or ''}".strip()] = sum(seen.values())
         return out
     finally:
         dist.destroy_process_group()
@@ -211,7 +217,7 @@ def test_state_bytes_equal_fsdp2_shards(fake_world, name):
 
 
 SAVED_KEYS = ["tiny/1", "tiny/2", "tiny/4", "tied/1", "tied/2", "tied/4"]
-SAVED_KEYS += ["tiny/1 lora", "tiny/4 lora"]
+SAVED_KEYS += ["tiny/1 lora", "tiny/4 lora", "tiny/2 lora dropout", "tiny/2 lora q, v"]
 
 
 @pytest.mark.parametrize("key", SAVED_KEYS)
@@ -220,9 +226,9 @@ def test_layer_saved_bytes_equal_autograd(fake_world, key):
 
     Its RMSNorm is the fused kind, the planner's default; the unfused one would save more. With
     LoRA the frozen weights save nothing and each adapter saves its x A^T [t, rank]."""
-    name, sp = key.removesuffix(" lora").split("/")
-    lora = LORA if key.endswith("lora") else None
-    want = layer_saved_bytes(CONFIGS[name], 96, int(sp), tiled_mlp=False, lora=lora)
+    name, sp = key.split(" ")[0].split("/")
+    lora = LORAS.get(key.partition(" ")[2])
+    want = layer_saved_bytes(CONFIGS[name], 96, int(sp), tiled_mlp=False, lora=lora, device="cpu")
     assert sum(want.values()) == fake_world["saved"][key]
     unfused = layer_saved_bytes(
         CONFIGS[name], 96, int(sp), tiled_mlp=False, fused_norm=False, lora=lora
