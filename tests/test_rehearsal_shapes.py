@@ -1,6 +1,6 @@
 """The memory planner against the rehearsal of the real step, at real Qwen3 shapes.
 
-    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: about 85 s on 2 cores
+    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: about 145 s on 2 cores
     pytest tests/test_rehearsal_shapes.py -s --full-depth -k "full and recipe"  # 36 layers
 
 `train.py --rehearse` (memory/rehearsal.py) runs two real steps of a run on fake tensors with a
@@ -165,8 +165,9 @@ def rehearsals(tmp_path_factory):
 
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize(("depth", "shape"), CASES)
-def test_the_plan_is_within_3_percent_of_the_rehearsal(depth, shape, check, rehearsals):
-    """rehearsal.json's measured figure against the planned one, within TOLERANCE."""
+def test_the_plan_agrees_with_the_rehearsal(depth, shape, check, rehearsals):
+    """rehearsal.json's measured figure against the planned one, within TOLERANCE (LoRA:
+    LORA_TOLERANCE)."""
     record = rehearsals(shape, depth)
     rehearsed_at, planned_at = CHECKS[check]
     rehearsed, planned = at(record, rehearsed_at), at(record, planned_at)
