@@ -16,10 +16,13 @@ the config: nothing is allocated.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
+from memory.model_size import adapter_shapes
 from model.attention import backward_workspace_bytes
 from model.config import Qwen3Config
+from model.lora import LoraSpec
 from model.moe import TILE as MOE_TILE
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
 
@@ -38,6 +41,10 @@ class Buffer(str, Enum):
     POST_NORM = "post-attention norm"
     MLP_INPUT = "MLP input (normed h)"
     MLP_INTERMEDIATES = "MLP gate, up, act, product"
+    # LoRA (model/lora.py): what the adapters save for their gradients (see _lora_saved)
+    LORA_QKV = "LoRA q, k, v adapters: x A^T [t, rank] (with dropout: dropped x and mask)"
+    LORA_O = "LoRA o_proj adapter: x A^T [t, rank] (with dropout: dropped x and mask)"
+    LORA_MLP = "LoRA MLP adapters: x A^T [t or tile, rank] (with dropout: dropped x and mask)"
     # around a layer's backward
     LAYER_INPUT = "layer input (copied back from the host, or kept)"
     KEPT_INPUTS = "layer inputs kept on the device (layers not yet in backward)"
@@ -51,6 +58,7 @@ class Buffer(str, Enum):
     MLP_WEIGHT_GRAD_ACC = "MLP fp32 weight-gradient accumulators (3 x H x I)"
     MLP_INPUT_GRAD_BUFFER = "MLP input-gradient buffer"
     MLP_BACKWARD = "MLP: gate, up, act + grads of product, act, up"
+    LORA_MLP_TILE = "LoRA down adapter in an MLP tile: product's summed gradient, adapter output"
     MLP_INPUT_GRAD = "MLP input gradient"
     NORM_INPUT_GRAD = "norm input gradient"
     NORM_TEMPORARIES = "RMSNorm backward fp32 temporaries (one row chunk)"
@@ -144,6 +152,8 @@ def layer_saved_bytes(
     fused_norm: bool = True,
     tiled_mlp: bool = True,
     compute_bytes: int = 2,
+    lora: LoraSpec | None = None,
+    device: str = "cuda",
 ) -> dict[Buffer, int]:
     """What autograd keeps for one decoder layer's backward once it has been recomputed.
 
@@ -153,26 +163,45 @@ def layer_saved_bytes(
     RoPE saves only cos/sin; SDPA (flash, with enable_gqa: kv heads are not repeated to the query
     heads) saves q, k, v, out and an fp32 logsumexp; with sp = 1 o_proj's input is a view of
     SDPA's out, with sp > 1 it is the all-to-all's result; a tiled MLP saves only its input.
+    lora: a frozen weight's linear saves nothing of its input, so an input is kept only where an
+    adapter without dropout saves it (tiled, the MLP's input always); the adapters save what
+    _lora_saved counts, whose dropout mask is 1 byte an element on CUDA, b on a CPU.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
     nh, nkv = c.num_attention_heads, c.num_key_value_heads
     X, Q = t * H * b, t * nh * hd * b  # hidden-sized; q-sized ([t, nh, hd] == [T, nh/sp, hd])
     K = t * max(nkv, sp) * hd * b  # k or v at SDPA: [T, nkv/sp, hd]; one repeated head if sp > nkv
+    mask = 1 if device == "cuda" else b  # dropout's mask: CUDA's bool, a CPU's scaled noise
+
+    def input_saved(names: set[str]) -> bool:  # by these linear layers' own backward
+        return lora is None or (lora.dropout == 0 and bool(names & set(lora.targets)))
+
     return {
         Buffer.INPUT_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=True),
-        Buffer.NORMED_INPUT: X,
+        Buffer.NORMED_INPUT: X if input_saved({"q_proj", "k_proj", "v_proj"}) else 0,
+        Buffer.LORA_QKV: _lora_saved(c, lora, {"q_proj", "k_proj", "v_proj"}, t, b, mask),
         Buffer.QK_NORMS: _norm_saved(t * nh, hd, b, fused_norm, False)
         + _norm_saved(t * nkv, hd, b, fused_norm, False),
         Buffer.QKV_AT_SDPA: Q + 2 * K,  # q, and k and v
         Buffer.ATTN_OUT: Q,
         Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T] in fp32 (4 bytes)
-        Buffer.O_PROJ_INPUT: Q if sp > 1 else 0,
+        Buffer.O_PROJ_INPUT: Q if sp > 1 and input_saved({"o_proj"}) else 0,
+        Buffer.LORA_O: _lora_saved(c, lora, {"o_proj"}, t, b, mask),
         Buffer.POST_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=False),
-        Buffer.MLP_INPUT: X,
-        # untiled: 4 x [t, intermediate]: gate, up, act = silu(gate), product = act * up (a MoE
-        # block saves none: its loop recomputes them per tile)
-        Buffer.MLP_INTERMEDIATES: 0 if tiled_mlp or c.num_experts else 4 * t * inter * b,
+        # a MoE block (model/moe.py) saves its input whatever is frozen, and no intermediates:
+        # its loop recomputes them per tile; its sparse layers have no MLP adapters
+        Buffer.MLP_INPUT: X
+        if tiled_mlp or c.num_experts or input_saved({"gate_proj", "up_proj"})
+        else 0,
+        # untiled: 4 x [t, intermediate]: gate, up, act = silu(gate), product = act * up (the
+        # product saved by down_proj)
+        Buffer.MLP_INTERMEDIATES: 0
+        if tiled_mlp or c.num_experts
+        else (3 + input_saved({"down_proj"})) * t * inter * b,
+        Buffer.LORA_MLP: 0
+        if tiled_mlp or c.num_experts
+        else _lora_saved(c, lora, MLP_PROJECTIONS, t, b, mask),
     }
 
 
@@ -196,6 +225,29 @@ def _moe_routing(c: Qwen3Config, tokens: int, b: int) -> int:
     return tokens * c.num_experts_per_tok * (b + 8 + 8 + 4)
 
 
+MLP_PROJECTIONS = {"gate_proj", "up_proj", "down_proj"}
+
+
+def _lora_saved(
+    c: Qwen3Config, lora: LoraSpec | None, names: set[str], rows: int, b: int, mask: int
+) -> int:
+    """Bytes the LoRA adapters of the linear layers `names` (those lora targets) save for backward
+    over `rows` tokens (model/lora.py's LoraLinear, or a tile's _low_rank_delta): lora_B's input
+    x A^T [rows, rank]. lora_A's input is the linear's own input (counted by the caller) unless
+    dropout makes its own: then the dropped x [rows, in] and dropout's mask (`mask` bytes an
+    element)."""
+    if lora is None:
+        return 0
+    H, inter, q = c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim
+    inputs = dict(q_proj=H, k_proj=H, v_proj=H, o_proj=q, gate_proj=H, up_proj=H, down_proj=inter)
+    total = 0
+    for name in names & set(lora.targets):
+        total += rows * lora.rank * b
+        if lora.dropout > 0:
+            total += rows * inputs[name] * (b + mask)
+    return total
+
+
 def _saved_through(saved: dict[Buffer, int], last: Buffer) -> dict[Buffer, int]:
     """What is left of `saved` (in forward order) when backward reaches the op that saved `last`:
     backward runs the ops last to first and frees each one's saved tensors behind it."""
@@ -216,7 +268,7 @@ def layer_backward_moments(
     device: str = "cuda",
     norm_chunk: int = RMSNORM_CHUNK_ELEMS,
     attn_backend: str = "cudnn",
-    lora_adapters: tuple[int, int] | None = None,
+    lora: LoraSpec | None = None,
 ) -> dict[str, dict[Buffer, int]]:
     """The activation bytes of one recomputed decoder layer's backward at its four moments.
 
@@ -237,16 +289,34 @@ def layer_backward_moments(
         partial results of the last expression, live together at its final product).
     The all-to-all's staging copies (3 q-sized buffers around one exchange) and a tile's bf16
     weight-gradient products come at moments that hold less than these.
-    lora_adapters (LoRA: the layer's adapter elements, and its MLP's): the frozen weights make no
-    gradient, so the layer's own gradients are the adapters' (counted whole at every moment)
-    and the tiled MLP accumulates only its adapters' in fp32.
+    lora (model/lora.py): the frozen weights make no gradient, so the layer's own gradients are
+    the adapters' (counted whole at every moment) and the tiled MLP accumulates only its
+    adapters' in fp32; the adapters' saved x A^T are layer_saved_bytes'. In a tile's backward
+    (model/tiled_mlp.py) a down_proj adapter adds a [tile, intermediate] and a [tile, hidden]:
+    the product's gradient is the given one (still referenced) summed with the adapter's part,
+    and the adapter's output is held while autograd takes the tile's gradients.
+    A mixture of experts' moments are a sparse layer's (model/moe.py), the largest: under LoRA
+    its experts are frozen (no expert accumulators) and its adapters are attention's alone.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd, nh = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads
     X, Q = t * H * b, t * nh * hd * b
     K = t * max(c.num_key_value_heads, sp) * hd * b
     Kl = t * c.num_key_value_heads * hd * b  # k or v before any repeat, [t, nkv, hd]
-    saved = layer_saved_bytes(c, t, sp, fused_norm=fused_norm, tiled_mlp=tiled_mlp, compute_bytes=b)
+    saved = layer_saved_bytes(
+        c,
+        t,
+        sp,
+        fused_norm=fused_norm,
+        tiled_mlp=tiled_mlp,
+        compute_bytes=b,
+        lora=lora,
+        device=device,
+    )
+    if lora is not None:  # elements of the layer's adapters, and of its MLP's
+        shapes = adapter_shapes(c, lora)  # the largest layer's: a MoE's sparse one, no MLP adapters
+        adapter_elements = sum(math.prod(s) for s in shapes.values())
+        mlp_adapter_elements = sum(math.prod(s) for k, s in shapes.items() if k.startswith("mlp."))
     io = {  # offload=False: the input is among the kept ones (memory/plan.py counts it so)
         Buffer.LAYER_INPUT: X if offload else 0,
         Buffer.NEXT_INPUT: X if offload else 0,
@@ -259,24 +329,38 @@ def layer_backward_moments(
             Buffer.MOE_ROUTING: _moe_routing(c, t, b),
             Buffer.MOE_TILE: _moe_tile(c, t, mlp_tile, b, backward=True),
             # LoRA: the experts are frozen, so no expert's gradients are accumulated
-            Buffer.MOE_WEIGHT_GRAD_ACC: 0 if lora_adapters else 2 * 3 * H * moe * 4,
+            Buffer.MOE_WEIGHT_GRAD_ACC: 0 if lora is not None else 2 * 3 * H * moe * 4,
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
         }
         inter = c.num_experts * moe  # the layer's MLP gradients: every expert's
     elif tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
+        rows = min(mlp_tile, t)
+        down_adapter = lora is not None and "down_proj" in lora.targets
         mlp = {
             Buffer.OUTPUT_GRAD: X,
             # 7 x [tile, intermediate]: the tile's gate, up, act = silu(gate) and product =
             # act * up (4), and the gradients of product, act and up (3)
-            Buffer.MLP_TILE: 7 * min(mlp_tile, t) * inter * b,
+            Buffer.MLP_TILE: 7 * rows * inter * b,
             # 3 fp32 (4-byte) accumulators, one per weight: gate_proj, up_proj, down_proj; under
             # LoRA only the adapters' accumulators
-            Buffer.MLP_WEIGHT_GRAD_ACC: (lora_adapters[1] if lora_adapters else 3 * H * inter) * 4,
+            Buffer.MLP_WEIGHT_GRAD_ACC: (mlp_adapter_elements if lora else 3 * H * inter) * 4,
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
+            # what the tile's MLP adapters save, over the tile's rows
+            Buffer.LORA_MLP: _lora_saved(
+                c, lora, MLP_PROJECTIONS, rows, b, 1 if device == "cuda" else b
+            ),
+            # a down_proj adapter: the product's summed gradient [tile, intermediate] beside the
+            # given one, and the adapter's output [tile, hidden]
+            Buffer.LORA_MLP_TILE: rows * (inter + H) * b if down_adapter else 0,
         }
     else:  # the product itself is freed at its backward; gate, up and act are counted here
-        # 6 x [t, intermediate]: gate, up, act (3), and the gradients of product, act and up (3)
-        mlp = {Buffer.OUTPUT_GRAD: X, Buffer.MLP_BACKWARD: 6 * t * inter * b}
+        # 6 x [t, intermediate]: gate, up, act (3), and the gradients of product, act and up (3);
+        # LoRA: what the MLP adapters saved in the forward
+        mlp = {
+            Buffer.OUTPUT_GRAD: X,
+            Buffer.MLP_BACKWARD: 6 * t * inter * b,
+            Buffer.LORA_MLP: saved[Buffer.LORA_MLP],
+        }
     post = {
         Buffer.OUTPUT_GRAD: X,
         Buffer.MLP_INPUT_GRAD: X,
@@ -306,8 +390,8 @@ def layer_backward_moments(
     HI, HQ = H * inter * b, H * nh * hd * b
     # MoE: HI is every expert's, and the experts' stacked gradients are made whole up front
     grads = [3 * HI if c.num_experts else 0 if tiled_mlp else HI, 3 * HI, 3 * HI + HQ, 3 * HI + HQ]
-    if lora_adapters is not None:
-        grads = [lora_adapters[0] * b] * 4
+    if lora is not None:  # the frozen weights make none: only the adapters' (see above)
+        grads = [adapter_elements * b] * 4
     return {
         "MLP backward": {
             **io,
@@ -481,7 +565,8 @@ def loss_moments(
     temporaries: the chunk's logits [chunk, V] before their upcast, and the [V, H] product added
     into the accumulator; one is freed before the other is made. "loss backward": the accumulator
     and its cast to the weight's dtype, the hidden gradient and its scaled copy (train.py drops
-    the hidden states). head_grad=False (a frozen lm_head, LoRA): no accumulator, no cast.
+    the hidden states). Both hold the RoPE tables, saved by every layer's checkpoint for its
+    recompute. head_grad=False (a frozen lm_head, LoRA): no accumulator, no cast.
     """
     c, b = config, compute_bytes
     V, H = c.vocab_size, c.hidden_size
@@ -492,8 +577,10 @@ def loss_moments(
     if low and not fused:
         chunk += max(rows * V * b, V * H * b if head_grad else 0)
     norm = _norm_saved(tokens, H, b, fused_norm, input_elsewhere=False)
+    rope = 2 * tokens * c.head_dim * b  # cos and sin [t, hd]: every layer's checkpoint holds them
     return {
         "loss forward": {
+            Buffer.ROPE: rope,
             Buffer.FINAL_NORM: norm,
             Buffer.HIDDEN: X,
             Buffer.HIDDEN_GRAD: X,
@@ -501,6 +588,7 @@ def loss_moments(
             Buffer.LOSS_CHUNK: chunk,
         },
         "loss backward": {
+            Buffer.ROPE: rope,
             Buffer.FINAL_NORM: norm,
             Buffer.LM_HEAD_GRAD_ACC: V * H * 4 if head_grad else 0,
             Buffer.LM_HEAD_GRAD: V * H * b if head_grad else 0,
