@@ -24,7 +24,6 @@ import os
 import time
 from dataclasses import dataclass
 
-from run.adapter import export_lora, lora_spec
 from run.allocator import set_allocator_settings
 from run.signals import StopSignals
 
@@ -52,6 +51,7 @@ from model.config import ConfigError
 from model.moe import SparseMoeBlock, router_loss
 from model.parallel import GROUP_TIMEOUT, build_mesh
 from model.ulysses_exchange import document_segments
+from run.adapter import export_lora, lora_spec
 from run.build import build_model, compute_dtype, log0, write_run_layout
 from run.checkpoint import DiskSpaceError, resume_from, rows_to_read, save_checkpoint
 from run.checks import check_run, open_run_dir
