@@ -509,3 +509,31 @@ def test_parquet_and_json_rows_read_as_the_jsonl(tmp_path):
         assert data_kind(path) == "conversations"
         got[name] = [r for _, r in iter_records(path, seed=1)]
     assert got["a.jsonl"] == got["b.json"] == got["c.parquet"]
+
+
+def test_hub_conversations_read_as_the_same_local_rows(tok_dir, tmp_path, monkeypatch):
+    """An hf: dataset of conversations (datasets' loader monkeypatched: nothing reaches the hub)
+    is conversational and packs into the same ids and mask as a .jsonl of the same rows, when
+    the stream's shuffle gives the rows in the order the local file's permutation visits them."""
+    import datasets
+
+    rows = short(np.random.default_rng(7), 12)
+    path = write_jsonl(tmp_path / "chats.jsonl", rows)
+    order = np.random.default_rng(4).permutation(len(rows))
+
+    class FakeStream:
+        def shuffle(self, seed, buffer_size):
+            self.seed = seed
+            return self
+
+        def __iter__(self):
+            return iter([rows[i] for i in order] if self.seed == 4 else rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: FakeStream())
+    source = "hf:someone/chats-for-a-test:train"
+    assert data_kind(source) == "conversations"
+    opts = dict(cache_dir=str(tmp_path / "cache"), seed=4, progress=False)
+    hub = build_rows(source, tok_dir, 63, 3, **opts)
+    local = build_rows(path, tok_dir, 63, 3, **opts)
+    assert hub.meta["counted_labels"] > 0 and hub.path != local.path
+    assert (hub.tokens == local.tokens).all() and (hub.counted == local.counted).all()
