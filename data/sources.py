@@ -17,6 +17,7 @@ Empty documents are skipped.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -139,6 +140,22 @@ def _iter_local(
     order = np.random.default_rng(seed).permutation(len(ds))
     for batch in ds.select_columns([text_column]).select(order).iter(batch_size=64):
         yield from batch[text_column]
+
+
+@functools.cache
+def hub_problem(repo_id: str, timeout: float = 5.0) -> str | None:
+    """Why the hub's dataset `repo_id` cannot be reached, or None: one metadata request of at
+    most `timeout` seconds (streaming it would retry for half a minute before failing), once
+    per process and repo: train.py runs check_run before its process group and again inside it,
+    and a pg19 run's held-out rows (pg19:validation) are the same dataset."""
+    try:
+        from huggingface_hub import HfApi
+
+        HfApi().dataset_info(repo_id, timeout=timeout)
+    except Exception as e:  # offline, DNS, a proxy, HF_HUB_OFFLINE: each has its own type
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    return None
 
 
 def hub_rows(source: str, seed: int, shuffle_buffer: int = 100) -> Iterator[dict]:
