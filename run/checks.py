@@ -16,10 +16,10 @@ and imports nothing from train.py.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 
+from data.sources import hub_problem
 from data.synthetic import MIN_SEQ_LEN
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError, Qwen3Config
@@ -469,16 +469,17 @@ def check_data(
         )
 
 
-def check_conversations(cfg, model_dir: str, num_rows: int) -> None:
+def check_conversations(cfg, model_dir: str, num_rows: int):
     """Conversations and prompt-completion pairs are rendered, packed and cached now (once per
     node), so a bad row or template is refused before any weight is read: one line naming the
-    file and row (data/conversations.py); so are rows without a label the loss counts."""
+    file and row (data/conversations.py); so are rows without a label the loss counts. Returns
+    the rows (their meta is the start's data line), or None for text."""
     from data.cache import token_cache_dir
     from data.conversations import data_kind
     from data.rows import build_rows
 
     if data_kind(cfg.data) == "text":
-        return
+        return None
     rows = build_rows(
         cfg.data,
         model_dir,
@@ -496,6 +497,7 @@ def check_conversations(cfg, model_dir: str, num_rows: int) -> None:
             f"--data {cfg.data}: the {num_rows} rows the run reads hold no label --loss-on "
             f"{cfg.loss_on} counts; nothing to learn"
         )
+    return rows
 
 
 def check_eval(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, dp: int) -> None:
@@ -591,22 +593,6 @@ def agree_on_host_memory(cfg, origin: str) -> str:
         return origin
     cfg.host_mem_gb = min(values)
     return f"the smallest over the {len(values)} ranks' host memory"
-
-
-@functools.cache
-def hub_problem(repo_id: str, timeout: float = 5.0) -> str | None:
-    """Why the hub's dataset `repo_id` cannot be reached, or None: one metadata request of at
-    most `timeout` seconds (streaming it would retry for half a minute before failing), once
-    per process and repo: train.py runs check_run before its process group and again inside it,
-    and a pg19 run's held-out rows (pg19:validation) are the same dataset."""
-    try:
-        from huggingface_hub import HfApi
-
-        HfApi().dataset_info(repo_id, timeout=timeout)
-    except Exception as e:  # offline, DNS, a proxy, HF_HUB_OFFLINE: each has its own type
-        text = str(e).strip()
-        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-    return None
 
 
 def check_hub_source(cfg) -> None:
