@@ -64,6 +64,7 @@ class Buffer(str, Enum):
     NORM_TEMPORARIES = "RMSNorm backward fp32 temporaries (one row chunk)"
     RESIDUAL_GRAD = "residual gradient dh"
     ATTN_OUT_GRAD = "gradient of attention out [T, heads/sp, hd]"
+    O_PROJ_INPUT_GRAD = "o_proj input gradient [t, heads, hd] and its all-to-all send copy"
     QKV_GRAD_AT_SDPA = "dq, dk, dv [T, heads/sp, hd]"
     FLASH_WORKSPACE = "FlashAttention fp32 dq accumulator and delta"
     CUDNN_WORKSPACE = "cuDNN attention backward workspace (projected as flash's)"
@@ -270,7 +271,7 @@ def layer_backward_moments(
     attn_backend: str = "cudnn",
     lora: LoraSpec | None = None,
 ) -> dict[str, dict[Buffer, int]]:
-    """The activation bytes of one recomputed decoder layer's backward at its four moments.
+    """The activation bytes of one recomputed decoder layer's backward at its moments.
 
     In the order they come, each with what the recompute saved and is still live, the layer
     input and the next one's (offload), and the moment's own tensors:
@@ -278,6 +279,9 @@ def layer_backward_moments(
         act and up: 6 x [t, intermediate]; tiled, 7 x [tile, intermediate] (the tile's product
         stays referenced), fp32 weight-gradient accumulators and a full input-gradient buffer;
       "post-attention norm backward": its input gradients and one row chunk of fp32 temporaries;
+      "attention out-gradient exchange" (sp > 1): o_proj's input gradient [t, heads, hd] goes
+        back to SDPA's layout through an all-to-all (model/ulysses_exchange.py): the gradient,
+        its send copy and the receive buffer, three q-sized tensors, with o_proj's gradient made;
       "attention backward": SDPA's backward writes dq, dk, dv, with the kernel's own workspace
         (invisible to a CPU meter): FlashAttention's fp32 dq accumulator and delta; cuDNN's,
         under its own name, projected at the same size until bench/gpu_check.py's
@@ -287,8 +291,8 @@ def layer_backward_moments(
       "q/k norm backward": after SDPA and the exchanges, the q norm's fp32 temporaries for one row
         chunk (model/qwen3.py's _RMSNormFn: the normalised rows, the upcast gradient and two
         partial results of the last expression, live together at its final product).
-    The all-to-all's staging copies (3 q-sized buffers around one exchange) and a tile's bf16
-    weight-gradient products come at moments that hold less than these.
+    The forward exchanges' staging copies and a tile's bf16 weight-gradient products come at
+    moments that hold less than these.
     lora (model/lora.py): the frozen weights make no gradient, so the layer's own gradients are
     the adapters' (counted whole at every moment) and the tiled MLP accumulates only its
     adapters' in fp32; the adapters' saved x A^T are layer_saved_bytes'. In a tile's backward
@@ -369,6 +373,11 @@ def layer_backward_moments(
         # gradient and two partial results of the input gradient's expression
         Buffer.NORM_TEMPORARIES: 4 * min(t * H, norm_chunk) * 4,
     }
+    exchange = {  # sp > 1: the gradient, its send copy (2 x q-sized) and the receive buffer
+        Buffer.RESIDUAL_GRAD: X,
+        Buffer.O_PROJ_INPUT_GRAD: 2 * Q,
+        Buffer.ATTN_OUT_GRAD: Q,
+    }
     cuda = device == "cuda"
     expands = cuda and attn_backend == "flash" and nh > max(c.num_key_value_heads, sp)
     attn = {
@@ -405,6 +414,18 @@ def layer_backward_moments(
             **post,
             Buffer.LAYER_GRADS: grads[1],
         },
+        **(
+            {
+                "attention out-gradient exchange": {
+                    **io,
+                    **_saved_through(saved, Buffer.ATTN_LSE),
+                    **exchange,
+                    Buffer.LAYER_GRADS: grads[2],
+                }
+            }
+            if sp > 1
+            else {}
+        ),
         "attention backward": {
             **io,
             **_saved_through(saved, Buffer.ATTN_LSE),
