@@ -64,6 +64,7 @@ class Buffer(str, Enum):
     NORM_TEMPORARIES = "RMSNorm backward fp32 temporaries (one row chunk)"
     RESIDUAL_GRAD = "residual gradient dh"
     ATTN_OUT_GRAD = "gradient of attention out [T, heads/sp, hd]"
+    O_PROJ_INPUT_GRAD = "o_proj input gradient [t, heads, hd] and its all-to-all send copy"
     QKV_GRAD_AT_SDPA = "dq, dk, dv [T, heads/sp, hd]"
     FLASH_WORKSPACE = "FlashAttention fp32 dq accumulator and delta"
     CUDNN_WORKSPACE = "cuDNN attention backward workspace (projected as flash's)"
@@ -74,7 +75,7 @@ class Buffer(str, Enum):
     MOE_ROUTING = "MoE routing: the chosen experts and weights, pairs sorted by expert"
     MOE_ROUTER = "MoE router logits and fp32 probabilities [t, experts]"
     MOE_TILE = "MoE tile: its tokens, gate/up, act, product, output (+ their gradients)"
-    MOE_WEIGHT_GRAD_ACC = "MoE fp32 weight-gradient accumulators of one expert (3 x H x I, x2)"
+    MOE_WEIGHT_GRAD_ACC = "MoE fp32 weight-gradient accumulators of one expert (3 x H x I)"
     # FSDP2
     GATHERED_LAYER = "gathered layer (bf16)"
     NEXT_UNIT = "next unit, prefetched"
@@ -206,17 +207,54 @@ def layer_saved_bytes(
 
 
 def _moe_tile(c: Qwen3Config, tokens: int, tile: int, b: int, backward: bool) -> int:
-    """Bytes of one tile of model/moe.py's expert loop: one expert's token-expert pairs, at most
-    `tile` of them (untiled: the block's own tile), their gathered tokens, gate/up, act and
-    product, the output (and in backward the output gradient, its weighted copy and the
-    gradients of each), and the pairs' int64 indices. An expert's pairs are counted at an even
-    spread over the experts, what a load-balanced router gives (and what a rehearsal takes); a
-    busier expert's tile is larger, up to min(tile, tokens) rows."""
-    even = -(-tokens * c.num_experts_per_tok // c.num_experts)
-    rows = min(tile or MOE_TILE, even)
+    """Bytes of one tile of model/moe.py's expert loop at its largest point: one expert's m
+    token-expert pairs, m at most `tile` (untiled: the block's own tile). Every tile holds the
+    pairs' token indices [m] int64 and weights [m, 1] (b bytes). An expert's pairs are counted
+    at an even spread over the experts, what a load-balanced router gives (and what a rehearsal
+    takes); a busier expert's tile is larger, up to min(tile, tokens) rows (see _moe_rows).
+
+    Forward, at the product act x up: the gathered tokens xt [m, H], gate/up [m, 2I], act and
+    product [m, I] each (the down projection [m, H] comes after act is freed: 2H + 3I).
+    Backward, the largest of its points (H hidden, I the expert's intermediate size):
+      weights' gradient, (go.float() x y.float()).sum(-1): xt, go, y [m, H] (b), gate/up, act,
+        product (4 x [m, I], b), and three fp32 [m, H]: go and y upcast and their product (with
+        b = 4 the upcasts are the tensors themselves: one);
+      autograd through the down product: xt, go, y and the weighted gradient go x w [m, H],
+        gate/up, act, and the gradients of product, act and up (6 x [m, I]), down's gradient;
+      autograd through gate/up: xt, go, y, go x w, d(gate/up) [m, 2I], dxt [m, H], and the
+        expert's bf16 weight gradients, 3 x H x I;
+      the weight gradients upcast: xt, go, y, the bf16 gradients and their fp32 copies.
+    The expert's fp32 accumulators of earlier tiles are MOE_WEIGHT_GRAD_ACC's."""
+    rows = _moe_rows(c, tokens, tile)
     H, inter = c.hidden_size, c.moe_intermediate_size
-    per_row = (5 * H + 7 * inter) if backward else (2 * H + 4 * inter)
-    return rows * (per_row * b + 8)
+    pair = 8 + b  # a pair's token index (int64) and weight
+    if not backward:
+        return rows * (pair + max(H + 4 * inter, 2 * H + 3 * inter) * b)
+    upcasts = 3 * H * 4 if b < 4 else H * 4
+    grads = 3 * H * inter * b  # one expert's weight gradients, gate/up and down
+    return max(
+        rows * (pair + (3 * H + 4 * inter) * b + upcasts),
+        rows * (pair + (4 * H + 6 * inter) * b) + H * inter * b,
+        rows * (pair + (5 * H + 2 * inter) * b) + grads,
+        rows * (pair + 3 * H * b) + grads + 3 * H * inter * 4,
+    )
+
+
+def _moe_rows(c: Qwen3Config, tokens: int, tile: int) -> int:
+    """Rows of one expert's tile: its share of the tokens x top_k pairs at an even spread over
+    the experts, at most the tile. A load-balanced router spreads them so; the experts' load
+    in each step's record (router_loss's) says by how much a real one does not."""
+    even = -(-tokens * c.num_experts_per_tok // c.num_experts)
+    return min(tile or MOE_TILE, even)
+
+
+def _moe_accumulators(c: Qwen3Config, tokens: int, tile: int) -> int:
+    """The fp32 weight-gradient accumulators of the expert in the loop (3 x H x I, 4 bytes):
+    live through a tile only when that expert's pairs take more than one tile; the first tile's
+    upcast gradients are _moe_tile's."""
+    even = -(-tokens * c.num_experts_per_tok // c.num_experts)
+    several = even > (tile or MOE_TILE)
+    return 3 * c.hidden_size * c.moe_intermediate_size * 4 if several else 0
 
 
 def _moe_routing(c: Qwen3Config, tokens: int, b: int) -> int:
@@ -270,7 +308,7 @@ def layer_backward_moments(
     attn_backend: str = "cudnn",
     lora: LoraSpec | None = None,
 ) -> dict[str, dict[Buffer, int]]:
-    """The activation bytes of one recomputed decoder layer's backward at its four moments.
+    """The activation bytes of one recomputed decoder layer's backward at its moments.
 
     In the order they come, each with what the recompute saved and is still live, the layer
     input and the next one's (offload), and the moment's own tensors:
@@ -278,6 +316,9 @@ def layer_backward_moments(
         act and up: 6 x [t, intermediate]; tiled, 7 x [tile, intermediate] (the tile's product
         stays referenced), fp32 weight-gradient accumulators and a full input-gradient buffer;
       "post-attention norm backward": its input gradients and one row chunk of fp32 temporaries;
+      "attention out-gradient exchange" (sp > 1): o_proj's input gradient [t, heads, hd] goes
+        back to SDPA's layout through an all-to-all (model/ulysses_exchange.py): the gradient,
+        its send copy and the receive buffer, three q-sized tensors, with o_proj's gradient made;
       "attention backward": SDPA's backward writes dq, dk, dv, with the kernel's own workspace
         (invisible to a CPU meter): FlashAttention's fp32 dq accumulator and delta; cuDNN's,
         under its own name, projected at the same size until bench/gpu_check.py's
@@ -287,8 +328,8 @@ def layer_backward_moments(
       "q/k norm backward": after SDPA and the exchanges, the q norm's fp32 temporaries for one row
         chunk (model/qwen3.py's _RMSNormFn: the normalised rows, the upcast gradient and two
         partial results of the last expression, live together at its final product).
-    The all-to-all's staging copies (3 q-sized buffers around one exchange) and a tile's bf16
-    weight-gradient products come at moments that hold less than these.
+    The forward exchanges' staging copies and a tile's bf16 weight-gradient products come at
+    moments that hold less than these.
     lora (model/lora.py): the frozen weights make no gradient, so the layer's own gradients are
     the adapters' (counted whole at every moment) and the tiled MLP accumulates only its
     adapters' in fp32; the adapters' saved x A^T are layer_saved_bytes'. In a tile's backward
@@ -329,7 +370,9 @@ def layer_backward_moments(
             Buffer.MOE_ROUTING: _moe_routing(c, t, b),
             Buffer.MOE_TILE: _moe_tile(c, t, mlp_tile, b, backward=True),
             # LoRA: the experts are frozen, so no expert's gradients are accumulated
-            Buffer.MOE_WEIGHT_GRAD_ACC: 0 if lora is not None else 2 * 3 * H * moe * 4,
+            Buffer.MOE_WEIGHT_GRAD_ACC: 0
+            if lora is not None
+            else _moe_accumulators(c, t, mlp_tile),
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
         }
         inter = c.num_experts * moe  # the layer's MLP gradients: every expert's
@@ -369,6 +412,11 @@ def layer_backward_moments(
         # gradient and two partial results of the input gradient's expression
         Buffer.NORM_TEMPORARIES: 4 * min(t * H, norm_chunk) * 4,
     }
+    exchange = {  # sp > 1: the gradient, its send copy (2 x q-sized) and the receive buffer
+        Buffer.RESIDUAL_GRAD: X,
+        Buffer.O_PROJ_INPUT_GRAD: 2 * Q,
+        Buffer.ATTN_OUT_GRAD: Q,
+    }
     cuda = device == "cuda"
     expands = cuda and attn_backend == "flash" and nh > max(c.num_key_value_heads, sp)
     attn = {
@@ -405,6 +453,18 @@ def layer_backward_moments(
             **post,
             Buffer.LAYER_GRADS: grads[1],
         },
+        **(
+            {
+                "attention out-gradient exchange": {
+                    **io,
+                    **_saved_through(saved, Buffer.ATTN_LSE),
+                    **exchange,
+                    Buffer.LAYER_GRADS: grads[2],
+                }
+            }
+            if sp > 1
+            else {}
+        ),
         "attention backward": {
             **io,
             **_saved_through(saved, Buffer.ATTN_LSE),

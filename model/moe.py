@@ -164,11 +164,13 @@ class _RoutedExperts(torch.autograd.Function):
             d_weights[pairs] = (go.float() * y.detach().float()).sum(-1)
             inputs = [xt] + [t for t, need in ((wgu, need_gu), (wd, need_d)) if need]
             grads = list(torch.autograd.grad(y, inputs, (go * w).to(y.dtype)))
+            del inputs  # it holds xt: freed here, not in the next tile
             dx.index_add_(0, tokens, grads.pop(0).to(dx.dtype))
             for i, need in ((0, need_gu), (1, need_d)):
                 if need:
                     g = grads.pop(0).float()
                     acc[i] = g if acc[i] is None else acc[i].add_(g)
+                    del g  # an fp32 [2I, H] or [H, I]: not held into the next tile
         _flush(acc, acc_e, d_gate_up, d_down)
         d_router = _router_backward(block, x2, w_router, experts, d_weights, dx, need_r)
         return (dx.view_as(x) if need_x else None), d_router, d_gate_up, d_down, None, None

@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from memory.buffers import Buffer, layer_saved_bytes
+from memory.buffers import Buffer, layer_backward_moments, layer_saved_bytes
 from memory.choices import max_seq_len, plan_for_run
 from memory.layouts import choose_layout
 from memory.model_size import param_shapes, shard_numel
@@ -812,3 +812,53 @@ def test_attention_past_2_31_elements_is_flagged_unverified():
     # planned before train.py's probe (auto): what flash would add is said; a pinned kernel: not
     assert "should it fail train.py's probe" in _cli("--seq-len", str(T_1M)).stdout
     assert "should it fail" not in _cli("--seq-len", str(T_1M), "--attn-backend", "cudnn").stdout
+
+
+@pytest.mark.parametrize(
+    ("hidden", "intermediate", "dtype"),
+    # the experts wider than the hidden size (autograd through the experts is the tile's peak),
+    # and narrower (the routing weights' fp32 gradient temporaries are), in fp32 and bf16
+    [(64, 768, torch.float32), (64, 768, torch.bfloat16), (256, 96, torch.bfloat16)],
+)
+def test_moe_backward_terms_equal_the_meter(hidden, intermediate, dtype):
+    """model/moe.py's backward on one block, measured by the CPU meter, against the MoE terms of
+    layer_backward_moments' "MLP backward": the routing, one tile, the accumulators, the input
+    gradient and the experts' stacked gradients. The planner spreads an expert's pairs evenly;
+    real routing is uneven, so the plan is taken at the tokens whose even spread is the busiest
+    expert's pairs (the tile that makes the peak)."""
+    from memory.meter import StepMeter
+    from model.moe import SparseMoeBlock, route
+
+    experts, top_k, tokens = 4, 2, 2048
+    torch.manual_seed(0)
+    block = SparseMoeBlock(hidden, intermediate, experts, top_k, True).to(dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+    y = block(x)
+    dy = torch.randn_like(y)
+    meter = StepMeter(torch.device("cpu"), model=block, baseline=[x, y, dy])
+    with meter:
+        y.backward(dy)
+    with torch.no_grad():
+        chosen = route(x.reshape(-1, hidden), block.gate.weight, top_k, True)[1]
+    busiest = int(torch.bincount(chosen.reshape(-1), minlength=experts).max())
+    config = replace(
+        TINY,
+        hidden_size=hidden,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=intermediate,
+    )
+    b = torch.finfo(dtype).bits // 8
+    at_busiest, at_tokens = (
+        layer_backward_moments(config, t, 1, mlp_tile=block.tile, compute_bytes=b, device="cpu")[
+            "MLP backward"
+        ]
+        for t in (-(-busiest * experts // top_k), tokens)
+    )
+    planned = at_busiest[Buffer.MOE_TILE] + at_busiest[Buffer.MOE_WEIGHT_GRAD_ACC]
+    # the routing, the input-gradient buffer and the experts' stacked gradients: every token's
+    terms = (Buffer.MOE_ROUTING, Buffer.MLP_INPUT_GRAD_BUFFER, Buffer.LAYER_GRADS)
+    planned += sum(at_tokens[k] for k in terms)
+    assert meter.peak_bytes - meter.start_bytes == pytest.approx(planned, rel=0.01)

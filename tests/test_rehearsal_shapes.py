@@ -8,7 +8,7 @@ fake process group of the run's world size and writes OUT/rehearsal.json: the li
 meter counted at each step's peak and the FLOPs of step 1, next to memory/plan.py's figures for
 the same run. The planner is arithmetic over the shapes written by hand; the rehearsal is the
 code itself running (FSDP2, Ulysses, the offload pool, the chunked loss, AdamW), so each is the
-other's reference. For each shape below, within 3% (LoRA's within 1%):
+other's reference. For each shape below, within 3% (LoRA's and MoE's within 1%):
   - step 2's peak (AdamW's states exist) against the plan's peak,
   - step 1's peak against the plan's first step (AdamW makes its states after the peak),
   - step 2's peak within the loss phase and within the layers' backward, each against the
@@ -59,7 +59,7 @@ SHAPES = {
     # the embedding and every norm train too: their fp32 masters, gradients and AdamW states
     "8b lora embed, norm": ("qwen3-8b", 8, ["--lora-rank", "16", "--lora-train", "embed,norm"]),
 }
-# LoRA's shapes are held to 1%; the others to TOLERANCE
+# LoRA's shapes and the mixture of experts' are held to 1%; the others to TOLERANCE
 LORA_TOLERANCE = 0.01
 # the layers of a "{layout}" file at 2 layers (at full depth, the dry run's own choice)
 MIXED_LAYERS = [{"input": "host", "attention": "host"}, {"input": "device", "attention": "device"}]
@@ -82,12 +82,13 @@ DEPTH_PARAMS = {
 # 8 ranks, as dp 2 x sp 4 at 1M: at 2 layers both rehearse to 37.073 GB (and plan to 37.067), so
 # the default suite runs the one with a dp group and leaves the other to --full-depth.
 SAME_AS_ANOTHER = {("8b at 2M", "few layers")}
-# 128 experts' tiles are a minute of CPU even at 2 layers (rehearsed +1.3% against the plan
-# there); the MoE layouts of tests/test_memory_matrix.py rehearse to the byte in the suite.
-SAME_AS_ANOTHER |= {("30b-a3b at 1M", "few layers")}
 # LoRA with the embedding and norms training adds to "8b lora" only the trained tensors' state
-# (measured at 2 layers: every check within 0.01%, FLOPs -0.3%); its 35 s run only with --full-depth
-WITH_FULL_DEPTH = {("8b lora embed, norm", "few layers")}
+# (measured at 2 layers: every check within 0.01%, FLOPs -0.3%); its 35 s run only with
+# --full-depth.
+# 128 experts' tiles take 45 s to 2 minutes of CPU even at 2 layers (measured: both peaks +0.02%
+# against the plan, held to 1% with LoRA's); the MoE layouts of tests/test_memory_matrix.py
+# rehearse to the byte in the default suite.
+WITH_FULL_DEPTH = {("8b lora embed, norm", "few layers"), ("30b-a3b at 1M", "few layers")}
 CASES = [
     pytest.param(
         depth,
@@ -172,12 +173,14 @@ def rehearsals(tmp_path_factory):
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize(("depth", "shape"), CASES)
 def test_the_plan_agrees_with_the_rehearsal(depth, shape, check, rehearsals):
-    """rehearsal.json's measured figure against the planned one, within TOLERANCE (LoRA:
-    LORA_TOLERANCE)."""
+    """rehearsal.json's measured figure against the planned one, within TOLERANCE (LoRA and
+    MoE: LORA_TOLERANCE)."""
     record = rehearsals(shape, depth)
     rehearsed_at, planned_at = CHECKS[check]
     rehearsed, planned = at(record, rehearsed_at), at(record, planned_at)
     deviation = rehearsed / planned - 1
     print(f"{shape}, {check}: rehearsed {rehearsed:.6g}, planned {planned:.6g}, {deviation:+.2%}")
-    tolerance = LORA_TOLERANCE if "--lora-rank" in SHAPES[shape][2] else TOLERANCE
+    preset, _, flags = SHAPES[shape]
+    tight = "--lora-rank" in flags or PRESETS[preset].num_experts
+    tolerance = LORA_TOLERANCE if tight else TOLERANCE
     assert abs(deviation) <= tolerance, (shape, check, rehearsed, planned, f"{deviation:+.2%}")
