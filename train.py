@@ -6,13 +6,14 @@
     python train.py --preset qwen3-8b-1m --dry-run  # the config and memory plan, nothing loaded
     python train.py --preset demo --check-only      # every check (flags, model, data, --out); exit
 
-Reading order: the config and its presets; the process group; the optimizer and its schedule;
-train_step (forward, chunked loss, backward, grad norm, step or skip), the one function that
-trains; main(), which checks everything before the process group and any weight (run/checks.py);
-train(), which builds the run (data, the model and its offload pool from run/build.py, resume)
-and loops over steps, its bookkeeping (records, console lines, signals, NaN guard, checkpoints)
-in run/. --dry-run, --rehearse (this train_step on fake tensors): run/offline.py; --eval-only:
-run/evaluate.py. Each sp group shares one row (T/sp tokens per GPU); dp groups take other rows.
+Reading order: train_step (forward, chunked loss, backward, grad norm, step or skip), the one
+function that trains; then the optimizer and its schedule; main(), which checks everything before
+the process group and any weight (run/checks.py); train(), which builds the run (data, the model
+and its offload pool from run/build.py, resume) and loops over steps, its bookkeeping (records,
+console lines, signals, NaN guard, checkpoints) in run/; last, the process group. The flags and
+presets are TrainConfig's fields (run/train_config.py). --dry-run, --rehearse (this train_step on
+fake tensors): run/offline.py; --eval-only: run/evaluate.py. Each sp group shares one row (T/sp
+tokens per GPU); dp groups take other rows.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from run.allocator import set_allocator_settings
 from run.signals import StopSignals
@@ -46,14 +47,14 @@ from loss.chunked_ce import chunked_cross_entropy
 from memory.meter import StepMeter
 from memory.model_size import step_flops
 from memory.snapshot import cuda_memory_history
-from model.attention import BACKENDS
 from model.config import ConfigError
+from model.moe import SparseMoeBlock, router_loss
 from model.parallel import GROUP_TIMEOUT, build_mesh
 from model.ulysses_exchange import document_segments
 from run.adapter import export_lora, lora_spec
 from run.build import build_model, compute_dtype, log0, write_run_layout
 from run.checkpoint import DiskSpaceError, resume_from, rows_to_read, save_checkpoint
-from run.checks import CHOICES, EVAL_TASKS, check_run, open_run_dir
+from run.checks import check_run, open_run_dir
 from run.console import describe_rows, describe_run, fail, log0_outputs, summary_line
 from run.evaluate import evaluate_only, start_evaluation
 from run.export import export_final
@@ -63,270 +64,9 @@ from run.offline import dry_run, rehearse
 from run.report import ReportError, check_available, parse_report_to
 from run.retrieval import key_digits
 from run.steplog import StepLog, cuda_reserved_gb, peak_tflops
+from run.train_config import PRESETS, TrainConfig
 
 IGNORE = -100  # the label the loss skips (padding, and --loss-on predictable's other labels)
-
-
-# ---------------------------------------------------------------------------------------------
-# Config
-# ---------------------------------------------------------------------------------------------
-def arg(default, help: str, choices: tuple | None = None, repeat: bool = False):
-    """A TrainConfig field with its line of `train.py -h` (and its choices, when it has some);
-    repeat: the flag may be given several times, its values joined by commas."""
-    return field(default=default, metadata={"help": help, "choices": choices, "repeat": repeat})
-
-
-@dataclass
-class TrainConfig:
-    model: str = arg(
-        "tiny", "a model directory, a preset name (random init), or a hub id such as Qwen/Qwen3-8B"
-    )
-    data: str = arg(
-        "synthetic:copy",
-        "pg19 | .txt/.jsonl/.parquet file or dir (text, messages, or prompt + completion rows) | "
-        "tokens:FILE.npy | synthetic:copy|repeat|passkey",
-    )
-    seq_len: int = arg(
-        1024, "tokens per row (each row holds seq_len + 1 ids: inputs and shifted labels)"
-    )
-    steps: int = arg(10, "optimizer steps")
-    sp: int = arg(0, "sequence-parallel degree; 0 = every process of the node")
-    grad_accum: int = arg(1, "rows per optimizer step and dp rank")
-    lr: float = arg(1e-5, "peak learning rate")
-    min_lr_ratio: float = arg(0.1, "the schedule decays to lr x this")
-    warmup_steps: int = arg(0, "steps of linear warmup from lr/warmup to lr")
-    decay: str = arg("cosine", "learning-rate decay after warmup", CHOICES["decay"])
-    weight_decay: float = arg(0.0, "AdamW weight decay (matrices and embeddings only)")
-    beta1: float = arg(0.9, "AdamW beta1")
-    beta2: float = arg(0.95, "AdamW beta2")
-    adam_eps: float = arg(1e-8, "AdamW epsilon")
-    grad_clip: float = arg(1.0, "clip by the global gradient norm; 0 disables")
-    dtype: str = arg(
-        "auto", "compute dtype; auto: bfloat16 on CUDA, float32 on CPU", CHOICES["dtype"]
-    )
-    seed: int = arg(0, "seed of the init and the synthetic data")
-    yarn_factor: float = arg(
-        0.0, "YaRN RoPE scaling factor; 0: RoPE as the model's config.json says"
-    )
-    yarn_original: int = arg(32768, "original_max_position_embeddings for --yarn-factor")
-    offload: bool = arg(
-        True,
-        "layer inputs may wait in host memory (checkpoint-with-offload; the layout chooses which); "
-        "--no-offload: every one on the device",
-    )
-    offload_min_bytes: int = arg(1 << 20, "smaller layer inputs stay on the device")
-    save_attention: bool | None = arg(
-        None,
-        "keep attention's output and lse per layer (no attention recompute); "
-        "unset: on when the planner says host memory allows",
-    )
-    attn_backend: str = arg(
-        "auto",
-        "attention kernel; auto: cudnn else flash on CUDA, cpu_flash on CPU",
-        ("auto", *BACKENDS),
-    )
-    tile_mlp: int = arg(0, "tokens per MLP tile in forward and recompute; 0 = untiled")
-    loss_chunk: int = arg(256, "rows per chunk of the cross-entropy")
-    loss_on: str = arg(
-        "auto",
-        "labels the loss counts; auto: text all, conversations the assistant's, prompt-completion "
-        "the completion's; predictable: only those a synthetic source marks",
-        CHOICES["loss_on"],
-    )
-    eval_data: str = arg(
-        "",
-        "held-out rows, a source like --data; empty: rows the run does not train on (pg19: its "
-        "validation split; a file: rows after the training rows; synthetic: seed + 1)",
-    )
-    eval_rows: int = arg(1, "rows per evaluation (split over the dp ranks)")
-    eval_every: int = arg(
-        -1,
-        "evaluate at step 0 and every N steps; -1: at step 0 and after the last step; 0: off",
-    )
-    eval_only: bool = arg(
-        False, "evaluate --model on --eval-data and exit (no training: --data, --steps unused)"
-    )
-    eval_task: str = arg(
-        "loss",
-        "what an evaluation measures, the flag repeated for several: loss (held-out loss by "
-        "position), passkey or kv (retrieval at every --eval-lengths x --eval-depths)",
-        EVAL_TASKS,
-        repeat=True,
-    )
-    eval_lengths: str = arg(
-        "",
-        "retrieval case lengths, such as 4k,32k,1M; empty: powers of two from min(4096, seq_len "
-        "/ 4) to seq_len",
-    )
-    eval_depths: str = arg("0,0.25,0.5,0.75,1", "retrieval needle depths in [0, 1]")
-    eval_cases: int = arg(2, "retrieval cases per length x depth")
-    passkey_digits: str = arg(
-        "5-7", "a pass key's digits, N or N-M: the passkey evaluation's and synthetic:passkey's"
-    )
-    out: str = arg(
-        "runs/latest", "the run directory: config.json, metrics.jsonl, checkpoints/, final/"
-    )
-    metrics_file: str = arg("", "one JSON record per step; empty: OUT/metrics.jsonl")
-    report_to: str = arg(
-        "none", "also send each step's record to tensorboard, wandb or both (comma-separated)"
-    )
-    save_every: int = arg(0, "resumable checkpoint every N steps; 0 = only at the end")
-    keep_checkpoints: int = arg(
-        2, "keep the newest N checkpoints (older ones go once a newer one is complete); 0 = all"
-    )
-    save_final: bool = arg(True, "write the model in the Hugging Face layout to OUT/final")
-    save_dtype: str = arg("bfloat16", "dtype of the final safetensors", CHOICES["save_dtype"])
-    stop_after: int = arg(
-        0, "leave after this many steps of this launch (a time-limited job); 0 = run to --steps"
-    )
-    resume: str = arg(
-        "", "auto (newest loadable checkpoint in OUT, or a fresh start) or a checkpoint directory"
-    )
-    overwrite: bool = arg(
-        False, "a fresh run into an --out with an earlier run moves that one to OUT.old-<time>"
-    )
-    max_bad_steps: int = arg(
-        3, "stop (with a checkpoint) after this many non-finite steps in a row"
-    )
-    cache_dir: str = arg("", "token cache; empty: $QWEN3_1M_CACHE, else ~/.cache/qwen3-1m")
-    eos_token: str = arg("", "separator between documents; empty: the tokenizer's eos token")
-    documents: str = arg(
-        "auto",
-        "stream: a row is one sequence; masked: each end-of-text token ends a document "
-        "(attention within it, positions from 0, no label across); auto: text stream, "
-        "conversations masked",
-        CHOICES["documents"],
-    )
-    eos_id: int = arg(
-        -1, "the end-of-text id for --documents masked; -1: the text source's --eos-token"
-    )
-    pack: str = arg(
-        "auto",
-        "text into rows: concat (end to end, cut at each row's end); best-fit (whole documents, "
-        "only longer ones cut, rows padded; needs --documents masked); auto: text concat, "
-        "conversations best-fit (a conversation longer than a row is left out, never cut)",
-        CHOICES["pack"],
-    )
-    chat_template: str = arg(
-        "", "a .jinja file that renders conversations; empty: the tokenizer's chat template"
-    )
-    gpu_mem_gb: float = arg(
-        0.0,
-        "GB per GPU the layout may use; 0: the device's own (80 in --dry-run); on CPU the budget "
-        "for the device bytes the meter counts (0: 80)",
-    )
-    host_mem_gb: float = arg(
-        0.0, "host GB per node, for the plan and its checks; 0: this machine's, 2000 in --dry-run"
-    )
-    cpu_offload: bool | None = arg(
-        None,
-        "fp32 shards, grads, AdamW states in host memory; AdamW on the CPU (-15 GB/GPU); "
-        "unset: the layout chooses",
-    )
-    # LoRA (model/lora.py, run/adapter.py; docs/lora.md): frozen base weights, small adapters
-    lora_rank: int = arg(0, "LoRA rank; 0: full fine-tuning (every weight trains)")
-    lora_alpha: float = arg(8.0, "LoRA alpha: the adapters are scaled by alpha / rank (PEFT's)")
-    lora_dropout: float = arg(0.0, "dropout on the adapters' input")
-    lora_targets: str = arg(
-        "q,k,v,o,gate,up,down", "the linear layers that get adapters (comma-separated)"
-    )
-    lora_train: str = arg(
-        "", "whole tensors that train too, from embed,norm,head (PEFT's modules_to_save)"
-    )
-    lora_rslora: bool = arg(False, "scale the adapters by alpha / sqrt(rank) (rsLoRA)")
-    lora_merge: bool = arg(
-        False, "OUT/final: the merged model in the Hugging Face layout, not the adapter"
-    )
-    lora_from: str = arg(
-        "", "start from this PEFT adapter directory (training or --eval-only); its config decides"
-    )
-    layout: str = arg(
-        "auto",
-        "where each layer's saved tensors wait: auto (the fastest layout that fits the GPU and "
-        "the host, within what the CPU offload, attention and offload flags pin) or a JSON file "
-        "as the layout_out flag writes it",
-    )
-    layout_out: str = arg("", "write the chosen layout to this JSON file (a --layout FILE)")
-    measure_memory: bool = arg(
-        False, "CPU: count live tensor bytes per step (CUDA always measures)"
-    )
-    memory_snapshot: str = arg(
-        "", "CUDA: write a memory-visualiser snapshot of step 1 to PATH.rank<N>.pickle"
-    )
-    dry_run: bool = arg(False, "print the resolved config and memory plan; load nothing")
-    doc_len: int = arg(
-        0,
-        "with --dry-run or --rehearse: rows of documents of N tokens (--documents masked), "
-        "beside the stream; 0: off",
-    )
-    calibration: str = arg(
-        "", "with --dry-run: a bench/gpu_check.py JSON; project the step from its measured rates"
-    )
-    sweep: bool = arg(
-        False, "with --dry-run: projected step, memory, fit for 131,072-8,388,608 tokens, 8-32 GPUs"
-    )
-    rehearse: bool = arg(
-        False,
-        "run two steps of this configuration on fake tensors (no GPU, weights or data): "
-        "memory per phase and FLOPs, measured, next to the plan",
-    )
-    check_only: bool = arg(
-        False, "run every check (flags, model, data, --out) in this process and exit"
-    )
-    check_nodes: bool = arg(
-        False,
-        "with torchrun on every node: the checks, then one all-reduce over the real process "
-        "group (the nodes see each other), then exit, before any weight is read",
-    )
-
-
-PRESETS = {  # name: (its line in -h, its fields)
-    "qwen3-8b-1m": (
-        "the public recipe's shape: Qwen3-8B on PG-19 rows of 1,048,576 tokens, YaRN x32, all GPUs",
-        dict(
-            model="Qwen/Qwen3-8B",
-            data="pg19",
-            seq_len=1_048_576,
-            steps=20,
-            sp=0,
-            lr=1e-5,
-            warmup_steps=2,
-            dtype="bfloat16",
-            yarn_factor=32.0,
-            yarn_original=32768,
-            offload=True,
-            tile_mlp=16384,
-            loss_chunk=256,
-            out="runs/qwen3-8b-1m",
-            eos_token="<|endoftext|>",
-        ),
-    ),  # the base model's document separator, not chat's <|im_end|>
-    # sp=2: every predictable label's answer is on the other rank. The plateau at ln 64 ends at
-    # step ~150 for seed 1 (2 processes); some seeds take 400+ steps, and a decaying rate can keep
-    # it there: constant 5e-3.
-    "demo": (
-        "CPU: a 2-layer Qwen3 from scratch learns to copy across sp shards (400 steps)",
-        dict(
-            model="demo",
-            data="synthetic:repeat",
-            seq_len=512,
-            steps=400,
-            sp=0,
-            lr=5e-3,
-            warmup_steps=0,
-            seed=1,
-            decay="constant",
-            dtype="float32",
-            offload=True,
-            offload_min_bytes=0,
-            tile_mlp=128,
-            loss_chunk=64,
-            loss_on="predictable",
-            out="runs/demo",
-            save_every=200,
-        ),
-    ),
-}
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -335,55 +75,130 @@ def parse_args(argv=None) -> TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# The process group: torchrun's environment, or one plain process
+# The training step
 # ---------------------------------------------------------------------------------------------
-def init_distributed(cpu_offload: bool | None = False) -> tuple[int, int, int, torch.device]:
-    """(rank, world, local world, device), the process group initialised."""
-    group_of_one = {}
-    if "RANK" not in os.environ:
-        # A plain `python train.py` is a group of one on an in-memory store: no port to pick
-        # (and to race other processes for).
-        group_of_one = dict(store=dist.HashStore(), rank=0, world_size=1)
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    timeout = GROUP_TIMEOUT  # an hour, not NCCL's 10 minutes (model/parallel.py says why)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-        # --cpu-offload: the grad norm all-reduces host DTensors, so gloo serves CPU tensors;
-        # unset (the layout decides once every node's host memory is known), it is there too.
-        backend = "nccl" if cpu_offload is False else "cuda:nccl,cpu:gloo"
-        dist.init_process_group(backend, device_id=device, timeout=timeout, **group_of_one)
+@dataclass
+class StepResult:
+    loss: float  # mean over the step's counted labels on every rank
+    grad_norm: float  # global, before clipping
+    tokens: int  # labels counted on every rank; 0: no loss (NaN), the weights left as they were
+    skipped: bool  # loss or norm not finite: weights and AdamW state were left as they were
+    router: dict | None = None  # MoE: router_aux_loss and the experts' load (router_record)
+
+
+def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]:
+    """This rank's slice of the next row; --loss-on predictable, assistant or completion keeps
+    only the labels the source marks (synthetic sources' predictable ones, conversations' own)."""
+    batch = next(loader)
+    predictable = batch.pop("predictable", None)
+    if predictable is not None and loss_on != "all":
+        batch["labels"] = torch.where(predictable, batch["labels"], IGNORE)
+    return batch
+
+
+def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) -> StepResult:
+    """One optimizer step over `micro_batches` (this rank's slices of grad_accum rows).
+
+    With cfg.rehearse the step runs on fake tensors, which have shapes but no values: it reads
+    nothing back to the host (loss and norm come back as NaN, and it always steps), and takes
+    every label to count, so the loss has no ignored rows to look for."""
+    values = not cfg.rehearse
+    # The loss is the sum over the step's counted labels divided by their count over all ranks
+    # and micro-batches: FSDP2 sums gradients over ranks (model/parallel.py), so each rank's
+    # backward must already carry the global denominator.
+    if values:
+        counts = [(b["labels"] != IGNORE).sum() for b in micro_batches]
     else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout, **group_of_one)
-    return rank, world, local_world, device
+        counts = [torch.tensor(b["labels"].numel()) for b in micro_batches]
+    count = torch.stack(counts).sum().to(torch.float64)
+    dist.all_reduce(count)
+    counted = count.clone()  # 0: no label counts in this step's rows on any rank
+    count.clamp_(min=1)  # a step without labels has no loss: its gradient is 0, not NaN
+    loss_sum = torch.zeros((), dtype=torch.float64, device=count.device)
+    aux_sum, load = torch.zeros((), dtype=torch.float64, device=count.device), None
+    for batch in micro_batches:
+        # doc_lens: the row's documents (--documents masked), attention within each
+        hidden = model(batch["input_ids"], batch["position_ids"], batch.get("doc_lens"))
+        # MoE: the router loss of this micro-batch's rows on every rank, its gradient set for
+        # backward; with --grad-accum the step's is the micro-batches' mean.
+        if (routed := router_step(model, cfg, 1 / len(micro_batches))) is not None:
+            aux_sum += routed[0].double()
+            load = routed[1] if load is None else torch.maximum(load, routed[1])
+        micro_loss = chunked_cross_entropy(
+            hidden.flatten(0, 1),  # [T/sp, hidden]
+            model.lm_head.weight,
+            batch["labels"].flatten(),  # [T/sp]
+            chunk_size=cfg.loss_chunk,
+            ignore_index=IGNORE if values else None,
+            reduction="sum",
+        )
+        # The loss made its gradient for `hidden` in forward; holding `hidden` through backward
+        # would keep 1 GiB per GPU at 1M tokens alive for nothing.
+        del hidden
+        (micro_loss / count.to(micro_loss.dtype)).backward()
+        loss_sum += micro_loss.detach().double()
+    dist.all_reduce(loss_sum)
+    with host_threads(cfg.cpu_offload):
+        norm = global_grad_norm(model, cfg.grad_clip)
+        if values:  # one host read each
+            tokens = int(counted.item())
+            loss, grad_norm = loss_sum.item() / max(tokens, 1) + aux_sum.item(), float(norm)
+        else:
+            tokens = sum(b["labels"].numel() for b in micro_batches)
+            loss = grad_norm = math.nan
+        # Loss and norm are the same on every rank, so every rank skips (or steps) together.
+        skipped = values and not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if values and tokens == 0:  # nothing to learn: no loss, and AdamW does not move
+            loss = math.nan
+        elif not skipped:
+            optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    router = router_record(aux_sum, load) if load is not None and values else None
+    return StepResult(loss, grad_norm, tokens, skipped, router)
 
 
-def check_nodes(world: int, local_world: int, device: torch.device) -> None:
-    """--check-nodes: one all-reduce over every process, so nodes that cannot reach each other
-    (a wrong MASTER_ADDR, a firewall, another NCCL interface) fail in seconds, not after minutes
-    of loading weights; rank 0 says how long it took. --out was checked, not taken."""
-    try:
-        t0 = time.perf_counter()
-        count = torch.ones(1, device=device)
-        dist.all_reduce(count)
-        if int(count.item()) != world:
-            raise RuntimeError(
-                f"--check-nodes: the all-reduce counted {int(count.item())} of {world}"
-            )
-        if dist.get_rank() == 0:
-            seconds = time.perf_counter() - t0
-            print(
-                f"check-nodes: {world} processes on {world // local_world} node(s) reached each "
-                f"other (one all-reduce, {seconds:.2f} s)",
-                flush=True,
-            )
-    finally:
-        dist.destroy_process_group()
+def model_flops(per_row: dict, loader: RowLoader, rows: int) -> float:
+    """MFU's FLOPs of the step about to read `rows` rows (all dp ranks') from `loader`:
+    per_row["model"] each (step_flops with attn_bwd_factor 2), and with --documents masked its
+    attention (forward + 2x backward) by the sum of the squares of each row's documents."""
+    if loader.eos_id is None:
+        return per_row["model"] * rows
+    total = 0.0
+    for i in range(loader.next_row, loader.next_row + rows):
+        row = loader.rows[i]
+        t = len(row) - 1
+        lengths = document_segments(row_documents(row, loader.eos_id), t)  # attention's, [T]
+        share = sum(n * n for n in lengths) / (t * t)  # of the row's square, the stream's count
+        total += per_row["model"] - 3 * per_row["attention_fwd"] * (1 - share)
+    return total
+
+
+def router_coef(cfg: TrainConfig, model) -> float:
+    """--router-aux-loss: the coefficient given, or the model config's when negative; 0: off."""
+    if cfg.router_aux_loss < 0:
+        return model.config.router_aux_loss_coef
+    return cfg.router_aux_loss
+
+
+def router_step(model, cfg: TrainConfig, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """After a micro-batch's forward, for a mixture of experts: the router loss x scale (the
+    loss's gradient set for backward) and each sparse layer's load, from every rank's
+    statistics (model/moe.py's router_loss); None for a dense model."""
+    blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+    if not blocks:
+        return None
+    return router_loss(blocks, router_coef(cfg, model) * scale, sum_ranks=dist.all_reduce)
+
+
+def router_record(aux: torch.Tensor, load: torch.Tensor) -> dict:
+    """The step record's MoE fields: the router loss (in the record's loss too) and the tokens
+    of each sparse layer's busiest expert over the mean, and the worst layer's."""
+    per_layer = [round(x, 4) for x in load.tolist()]
+    return {
+        "router_aux_loss": aux.item(),
+        "expert_load": per_layer,
+        "expert_load_max": max(per_layer),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,97 +267,6 @@ def global_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm
-
-
-# ---------------------------------------------------------------------------------------------
-# The training step
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class StepResult:
-    loss: float  # mean over the step's counted labels on every rank
-    grad_norm: float  # global, before clipping
-    tokens: int  # labels counted on every rank; 0: no loss (NaN), the weights left as they were
-    skipped: bool  # loss or norm not finite: weights and AdamW state were left as they were
-
-
-def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]:
-    """This rank's slice of the next row; --loss-on predictable, assistant or completion keeps
-    only the labels the source marks (synthetic sources' predictable ones, conversations' own)."""
-    batch = next(loader)
-    predictable = batch.pop("predictable", None)
-    if predictable is not None and loss_on != "all":
-        batch["labels"] = torch.where(predictable, batch["labels"], IGNORE)
-    return batch
-
-
-def model_flops(per_row: dict, loader: RowLoader, rows: int) -> float:
-    """MFU's FLOPs of the step about to read `rows` rows (all dp ranks') from `loader`:
-    per_row["model"] each (step_flops with attn_bwd_factor 2), and with --documents masked its
-    attention (forward + 2x backward) by the sum of the squares of each row's documents."""
-    if loader.eos_id is None:
-        return per_row["model"] * rows
-    total = 0.0
-    for i in range(loader.next_row, loader.next_row + rows):
-        row = loader.rows[i]
-        t = len(row) - 1
-        lengths = document_segments(row_documents(row, loader.eos_id), t)  # attention's, [T]
-        share = sum(n * n for n in lengths) / (t * t)  # of the row's square, the stream's count
-        total += per_row["model"] - 3 * per_row["attention_fwd"] * (1 - share)
-    return total
-
-
-def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) -> StepResult:
-    """One optimizer step over `micro_batches` (this rank's slices of grad_accum rows).
-
-    With cfg.rehearse the step runs on fake tensors, which have shapes but no values: it reads
-    nothing back to the host (loss and norm come back as NaN, and it always steps), and takes
-    every label to count, so the loss has no ignored rows to look for."""
-    values = not cfg.rehearse
-    # The loss is the sum over the step's counted labels divided by their count over all ranks
-    # and micro-batches: FSDP2 sums gradients over ranks (model/parallel.py), so each rank's
-    # backward must already carry the global denominator.
-    if values:
-        counts = [(b["labels"] != IGNORE).sum() for b in micro_batches]
-    else:
-        counts = [torch.tensor(b["labels"].numel()) for b in micro_batches]
-    count = torch.stack(counts).sum().to(torch.float64)
-    dist.all_reduce(count)
-    counted = count.clone()  # 0: no label counts in this step's rows on any rank
-    count.clamp_(min=1)  # a step without labels has no loss: its gradient is 0, not NaN
-    loss_sum = torch.zeros((), dtype=torch.float64, device=count.device)
-    for batch in micro_batches:
-        # doc_lens: the row's documents (--documents masked), attention within each
-        hidden = model(batch["input_ids"], batch["position_ids"], batch.get("doc_lens"))
-        micro_loss = chunked_cross_entropy(
-            hidden.flatten(0, 1),  # [T/sp, hidden]
-            model.lm_head.weight,
-            batch["labels"].flatten(),  # [T/sp]
-            chunk_size=cfg.loss_chunk,
-            ignore_index=IGNORE if values else None,
-            reduction="sum",
-        )
-        # The loss made its gradient for `hidden` in forward; holding `hidden` through backward
-        # would keep 1 GiB per GPU at 1M tokens alive for nothing.
-        del hidden
-        (micro_loss / count.to(micro_loss.dtype)).backward()
-        loss_sum += micro_loss.detach().double()
-    dist.all_reduce(loss_sum)
-    with host_threads(cfg.cpu_offload):
-        norm = global_grad_norm(model, cfg.grad_clip)
-        if values:  # one host read each
-            tokens = int(counted.item())
-            loss, grad_norm = loss_sum.item() / max(tokens, 1), float(norm)
-        else:
-            tokens = sum(b["labels"].numel() for b in micro_batches)
-            loss = grad_norm = math.nan
-        # Loss and norm are the same on every rank, so every rank skips (or steps) together.
-        skipped = values and not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if values and tokens == 0:  # nothing to learn: no loss, and AdamW does not move
-            loss = math.nan
-        elif not skipped:
-            optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, skipped=skipped)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -732,6 +456,58 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         export_final(model, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0)
         log0(f"saved {final} (Hugging Face layout)")
     log0_outputs(cfg, log, final)
+
+
+# ---------------------------------------------------------------------------------------------
+# The process group: torchrun's environment, or one plain process
+# ---------------------------------------------------------------------------------------------
+def init_distributed(cpu_offload: bool | None = False) -> tuple[int, int, int, torch.device]:
+    """(rank, world, local world, device), the process group initialised."""
+    group_of_one = {}
+    if "RANK" not in os.environ:
+        # A plain `python train.py` is a group of one on an in-memory store: no port to pick
+        # (and to race other processes for).
+        group_of_one = dict(store=dist.HashStore(), rank=0, world_size=1)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    timeout = GROUP_TIMEOUT  # an hour, not NCCL's 10 minutes (model/parallel.py says why)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        # --cpu-offload: the grad norm all-reduces host DTensors, so gloo serves CPU tensors;
+        # unset (the layout decides once every node's host memory is known), it is there too.
+        backend = "nccl" if cpu_offload is False else "cuda:nccl,cpu:gloo"
+        dist.init_process_group(backend, device_id=device, timeout=timeout, **group_of_one)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout, **group_of_one)
+    return rank, world, local_world, device
+
+
+def check_nodes(world: int, local_world: int, device: torch.device) -> None:
+    """--check-nodes: one all-reduce over every process, so nodes that cannot reach each other
+    (a wrong MASTER_ADDR, a firewall, another NCCL interface) fail in seconds, not after minutes
+    of loading weights; rank 0 says how long it took. --out was checked, not taken."""
+    try:
+        t0 = time.perf_counter()
+        count = torch.ones(1, device=device)
+        dist.all_reduce(count)
+        if int(count.item()) != world:
+            raise RuntimeError(
+                f"--check-nodes: the all-reduce counted {int(count.item())} of {world}"
+            )
+        if dist.get_rank() == 0:
+            seconds = time.perf_counter() - t0
+            print(
+                f"check-nodes: {world} processes on {world // local_world} node(s) reached each "
+                f"other (one all-reduce, {seconds:.2f} s)",
+                flush=True,
+            )
+    finally:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

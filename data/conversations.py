@@ -8,7 +8,8 @@
 A source's rows are told apart by their fields, as TRL does: {"text": ...} is text (data/sources.py
 reads it), {"messages": [{"role", "content"}, ...]} a conversation (optional "reasoning_content"
 and "tool_calls" in a message, "tools" in the row), {"prompt", "completion"} a prompt-completion
-pair (two strings, or two message lists). The first row decides the source's kind.
+pair (two strings, or two message lists). The first row decides the source's kind, for local
+files (.jsonl, .json, .parquet, a directory of them) and "hf:owner/name[:split]" hub datasets.
 
 A conversation is rendered once, whole, by the model's own chat template, as at inference
 (add_generation_prompt=False), and tokenised once. counted[j] = 1 when token j is a label the
@@ -30,6 +31,7 @@ rendered conversation. Bad input raises DataError: one line naming the file and 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -108,17 +110,23 @@ def _drop_nones(obj: Any) -> Any:
 
 def data_kind(source: str, text_column: str = "text") -> str:
     """The kind of a source, "text", "conversations" or "prompt-completion": its first row's form
-    for a local .jsonl, .json or .parquet (a row with `text_column` is text); else text."""
-    if sources.is_hub_source(source) or source.startswith(("synthetic:", "tokens:")):
+    for a local .jsonl, .json or .parquet or an hf: hub dataset (a row with `text_column` is
+    text); else text (pg19, .txt files, token ids, a hub that does not answer)."""
+    if source.startswith("hf:"):
+        where, record = _first_hub_record(source)
+        if record is None:
+            return "text"  # check_data says the hub does not answer
+    elif sources.is_hub_source(source) or source.startswith(("synthetic:", "tokens:")):
         return "text"
-    try:
-        files, builder = sources.local_files(source)
-    except (FileNotFoundError, ValueError):
-        return "text"  # check_data says what is wrong with it
-    if builder == "text":
-        return "text"
-    where, raw = _first_record(files[0])
-    record = _parse(where, raw)
+    else:
+        try:
+            files, builder = sources.local_files(source)
+        except (FileNotFoundError, ValueError):
+            return "text"  # check_data says what is wrong with it
+        if builder == "text":
+            return "text"
+        where, raw = _first_record(files[0])
+        record = _parse(where, raw)
     form = row_form(record)
     if form is None and isinstance(record, dict) and text_column in record:
         return "text"
@@ -145,6 +153,17 @@ def _first_record(path: str) -> tuple[str, Any]:
     return records[0]
 
 
+@functools.lru_cache(maxsize=8)  # the checks ask a source's kind several times: stream once
+def _first_hub_record(source: str) -> tuple[str, Any]:
+    """("SOURCE row 1", the first row of the hub's stream), or (.., None) if the hub is silent."""
+    if sources.hub_problem(sources.hub_id_and_split(source)[0]):  # fails in seconds, not 30
+        return f"{source} row 1", None
+    try:
+        return f"{source} row 1", _drop_nones(next(sources.hub_rows(source, seed=0)))
+    except (RuntimeError, StopIteration):
+        return f"{source} row 1", None
+
+
 def _no_form(record: Any, text_column: str = "text") -> str:
     fields = sorted(record) if isinstance(record, dict) else type(record).__name__
     return (
@@ -155,7 +174,12 @@ def _no_form(record: Any, text_column: str = "text") -> str:
 
 def iter_records(source: str, seed: int) -> Iterator[tuple[str, dict]]:
     """(file:row, record) of every row of a local source, in the order
-    np.random.default_rng(seed).permutation(rows) (as data/sources.py orders text)."""
+    np.random.default_rng(seed).permutation(rows) (as data/sources.py orders text); of a hub
+    source ("SOURCE row N"), in the stream's seeded shuffle order (data/sources.py's hub_rows)."""
+    if sources.is_hub_source(source):
+        for i, row in enumerate(sources.hub_rows(source, seed)):
+            yield f"{source} row {i + 1}", _drop_nones(row)
+        return
     files, _ = sources.local_files(source)
     records = [r for f in files for r in _file_records(f)]
     for i in np.random.default_rng(seed).permutation(len(records)):

@@ -2,7 +2,8 @@
 
     "pg19"                  PG-19 streamed from the HF hub (PG19_HUB_ID, parquet, train split)
     "pg19:validation"       another split of it
-    "hf:owner/name[:split]" any hub dataset with a text column, streamed the same way
+    "hf:owner/name[:split]" any hub dataset with a text column, streamed the same way (one of
+                            conversations is read by data/conversations.py, as local files are)
     "/data/books/"          a directory of .txt files (one book each), or of .jsonl / .parquet files
     "/data/books.jsonl"     JSON lines, each with a "text" field (or .parquet with a "text" column)
     "/data/pg19/train-*.parquet"   a glob of such files
@@ -16,6 +17,7 @@ Empty documents are skipped.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -140,9 +142,25 @@ def _iter_local(
         yield from batch[text_column]
 
 
-def _iter_hub(
-    source: str, seed: int, *, text_column: str, shuffle_buffer: int, **_
-) -> Iterator[str]:
+@functools.cache
+def hub_problem(repo_id: str, timeout: float = 5.0) -> str | None:
+    """Why the hub's dataset `repo_id` cannot be reached, or None: one metadata request of at
+    most `timeout` seconds (streaming it would retry for half a minute before failing), once
+    per process and repo: train.py runs check_run before its process group and again inside it,
+    and a pg19 run's held-out rows (pg19:validation) are the same dataset."""
+    try:
+        from huggingface_hub import HfApi
+
+        HfApi().dataset_info(repo_id, timeout=timeout)
+    except Exception as e:  # offline, DNS, a proxy, HF_HUB_OFFLINE: each has its own type
+        text = str(e).strip()
+        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    return None
+
+
+def hub_rows(source: str, seed: int, shuffle_buffer: int = 100) -> Iterator[dict]:
+    """Every row (a dict of its columns) of a hub source, streamed in datasets' seeded shuffle
+    order; an unreachable hub raises one RuntimeError saying how to read the files locally."""
     import datasets
 
     repo, split = hub_id_and_split(source)
@@ -158,11 +176,20 @@ def _iter_hub(
             f"(huggingface-cli download {repo} --repo-type dataset --local-dir DIR) and pass "
             f"'DIR/data/{split}-*.parquet' as the source instead of {source!r}."
         ) from e
+    yield first
+    yield from it
+
+
+def _iter_hub(
+    source: str, seed: int, *, text_column: str, shuffle_buffer: int, **_
+) -> Iterator[str]:
+    rows = hub_rows(source, seed, shuffle_buffer)
+    first = next(rows)
     if text_column not in first:
         raise ValueError(
-            f"{repo} has no {text_column!r} column (it has {list(first)}); "
+            f"{hub_id_and_split(source)[0]} has no {text_column!r} column (it has {list(first)}); "
             f"pass text_column= with the right name"
         )
     yield first[text_column]
-    for example in it:
+    for example in rows:
         yield example[text_column]

@@ -16,10 +16,14 @@ the config: nothing is allocated.
 
 from __future__ import annotations
 
+import math
 from enum import Enum
 
+from memory.model_size import adapter_shapes
 from model.attention import backward_workspace_bytes
 from model.config import Qwen3Config
+from model.lora import LoraSpec
+from model.moe import TILE as MOE_TILE
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
 
 
@@ -37,6 +41,10 @@ class Buffer(str, Enum):
     POST_NORM = "post-attention norm"
     MLP_INPUT = "MLP input (normed h)"
     MLP_INTERMEDIATES = "MLP gate, up, act, product"
+    # LoRA (model/lora.py): what the adapters save for their gradients (see _lora_saved)
+    LORA_QKV = "LoRA q, k, v adapters: x A^T [t, rank] (with dropout: dropped x and mask)"
+    LORA_O = "LoRA o_proj adapter: x A^T [t, rank] (with dropout: dropped x and mask)"
+    LORA_MLP = "LoRA MLP adapters: x A^T [t or tile, rank] (with dropout: dropped x and mask)"
     # around a layer's backward
     LAYER_INPUT = "layer input (copied back from the host, or kept)"
     KEPT_INPUTS = "layer inputs kept on the device (layers not yet in backward)"
@@ -50,17 +58,24 @@ class Buffer(str, Enum):
     MLP_WEIGHT_GRAD_ACC = "MLP fp32 weight-gradient accumulators (3 x H x I)"
     MLP_INPUT_GRAD_BUFFER = "MLP input-gradient buffer"
     MLP_BACKWARD = "MLP: gate, up, act + grads of product, act, up"
+    LORA_MLP_TILE = "LoRA down adapter in an MLP tile: product's summed gradient, adapter output"
     MLP_INPUT_GRAD = "MLP input gradient"
     NORM_INPUT_GRAD = "norm input gradient"
     NORM_TEMPORARIES = "RMSNorm backward fp32 temporaries (one row chunk)"
     RESIDUAL_GRAD = "residual gradient dh"
     ATTN_OUT_GRAD = "gradient of attention out [T, heads/sp, hd]"
+    O_PROJ_INPUT_GRAD = "o_proj input gradient [t, heads, hd] and its all-to-all send copy"
     QKV_GRAD_AT_SDPA = "dq, dk, dv [T, heads/sp, hd]"
     FLASH_WORKSPACE = "FlashAttention fp32 dq accumulator and delta"
     CUDNN_WORKSPACE = "cuDNN attention backward workspace (projected as flash's)"
     FLASH_GQA_GRADS = "FlashAttention dk, dv expanded to the query heads [T, heads/sp, hd]"
     QKV_GRAD = "dq, dk, dv [t, heads, hd]"
     LAYER_GRADS = "this layer's unsharded gradients so far"
+    # a mixture-of-experts layer (model/moe.py) in place of the MLP
+    MOE_ROUTING = "MoE routing: the chosen experts and weights, pairs sorted by expert"
+    MOE_ROUTER = "MoE router logits and fp32 probabilities [t, experts]"
+    MOE_TILE = "MoE tile: its tokens, gate/up, act, product, output (+ their gradients)"
+    MOE_WEIGHT_GRAD_ACC = "MoE fp32 weight-gradient accumulators of one expert (3 x H x I)"
     # FSDP2
     GATHERED_LAYER = "gathered layer (bf16)"
     NEXT_UNIT = "next unit, prefetched"
@@ -138,6 +153,8 @@ def layer_saved_bytes(
     fused_norm: bool = True,
     tiled_mlp: bool = True,
     compute_bytes: int = 2,
+    lora: LoraSpec | None = None,
+    device: str = "cuda",
 ) -> dict[Buffer, int]:
     """What autograd keeps for one decoder layer's backward once it has been recomputed.
 
@@ -147,26 +164,126 @@ def layer_saved_bytes(
     RoPE saves only cos/sin; SDPA (flash, with enable_gqa: kv heads are not repeated to the query
     heads) saves q, k, v, out and an fp32 logsumexp; with sp = 1 o_proj's input is a view of
     SDPA's out, with sp > 1 it is the all-to-all's result; a tiled MLP saves only its input.
+    lora: a frozen weight's linear saves nothing of its input, so an input is kept only where an
+    adapter without dropout saves it (tiled, the MLP's input always); the adapters save what
+    _lora_saved counts, whose dropout mask is 1 byte an element on CUDA, b on a CPU.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
     nh, nkv = c.num_attention_heads, c.num_key_value_heads
     X, Q = t * H * b, t * nh * hd * b  # hidden-sized; q-sized ([t, nh, hd] == [T, nh/sp, hd])
     K = t * max(nkv, sp) * hd * b  # k or v at SDPA: [T, nkv/sp, hd]; one repeated head if sp > nkv
+    mask = 1 if device == "cuda" else b  # dropout's mask: CUDA's bool, a CPU's scaled noise
+
+    def input_saved(names: set[str]) -> bool:  # by these linear layers' own backward
+        return lora is None or (lora.dropout == 0 and bool(names & set(lora.targets)))
+
     return {
         Buffer.INPUT_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=True),
-        Buffer.NORMED_INPUT: X,
+        Buffer.NORMED_INPUT: X if input_saved({"q_proj", "k_proj", "v_proj"}) else 0,
+        Buffer.LORA_QKV: _lora_saved(c, lora, {"q_proj", "k_proj", "v_proj"}, t, b, mask),
         Buffer.QK_NORMS: _norm_saved(t * nh, hd, b, fused_norm, False)
         + _norm_saved(t * nkv, hd, b, fused_norm, False),
         Buffer.QKV_AT_SDPA: Q + 2 * K,  # q, and k and v
         Buffer.ATTN_OUT: Q,
         Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T] in fp32 (4 bytes)
-        Buffer.O_PROJ_INPUT: Q if sp > 1 else 0,
+        Buffer.O_PROJ_INPUT: Q if sp > 1 and input_saved({"o_proj"}) else 0,
+        Buffer.LORA_O: _lora_saved(c, lora, {"o_proj"}, t, b, mask),
         Buffer.POST_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=False),
-        Buffer.MLP_INPUT: X,
-        # untiled: 4 x [t, intermediate]: gate, up, act = silu(gate), product = act * up
-        Buffer.MLP_INTERMEDIATES: 0 if tiled_mlp else 4 * t * inter * b,
+        # a MoE block (model/moe.py) saves its input whatever is frozen, and no intermediates:
+        # its loop recomputes them per tile; its sparse layers have no MLP adapters
+        Buffer.MLP_INPUT: X
+        if tiled_mlp or c.num_experts or input_saved({"gate_proj", "up_proj"})
+        else 0,
+        # untiled: 4 x [t, intermediate]: gate, up, act = silu(gate), product = act * up (the
+        # product saved by down_proj)
+        Buffer.MLP_INTERMEDIATES: 0
+        if tiled_mlp or c.num_experts
+        else (3 + input_saved({"down_proj"})) * t * inter * b,
+        Buffer.LORA_MLP: 0
+        if tiled_mlp or c.num_experts
+        else _lora_saved(c, lora, MLP_PROJECTIONS, t, b, mask),
     }
+
+
+def _moe_tile(c: Qwen3Config, tokens: int, tile: int, b: int, backward: bool) -> int:
+    """Bytes of one tile of model/moe.py's expert loop at its largest point: one expert's m
+    token-expert pairs, m at most `tile` (untiled: the block's own tile). Every tile holds the
+    pairs' token indices [m] int64 and weights [m, 1] (b bytes). An expert's pairs are counted
+    at an even spread over the experts, what a load-balanced router gives (and what a rehearsal
+    takes); a busier expert's tile is larger, up to min(tile, tokens) rows (see _moe_rows).
+
+    Forward, at the product act x up: the gathered tokens xt [m, H], gate/up [m, 2I], act and
+    product [m, I] each (the down projection [m, H] comes after act is freed: 2H + 3I).
+    Backward, the largest of its points (H hidden, I the expert's intermediate size):
+      weights' gradient, (go.float() x y.float()).sum(-1): xt, go, y [m, H] (b), gate/up, act,
+        product (4 x [m, I], b), and three fp32 [m, H]: go and y upcast and their product (with
+        b = 4 the upcasts are the tensors themselves: one);
+      autograd through the down product: xt, go, y and the weighted gradient go x w [m, H],
+        gate/up, act, and the gradients of product, act and up (6 x [m, I]), down's gradient;
+      autograd through gate/up: xt, go, y, go x w, d(gate/up) [m, 2I], dxt [m, H], and the
+        expert's bf16 weight gradients, 3 x H x I;
+      the weight gradients upcast: xt, go, y, the bf16 gradients and their fp32 copies.
+    The expert's fp32 accumulators of earlier tiles are MOE_WEIGHT_GRAD_ACC's."""
+    rows = _moe_rows(c, tokens, tile)
+    H, inter = c.hidden_size, c.moe_intermediate_size
+    pair = 8 + b  # a pair's token index (int64) and weight
+    if not backward:
+        return rows * (pair + max(H + 4 * inter, 2 * H + 3 * inter) * b)
+    upcasts = 3 * H * 4 if b < 4 else H * 4
+    grads = 3 * H * inter * b  # one expert's weight gradients, gate/up and down
+    return max(
+        rows * (pair + (3 * H + 4 * inter) * b + upcasts),
+        rows * (pair + (4 * H + 6 * inter) * b) + H * inter * b,
+        rows * (pair + (5 * H + 2 * inter) * b) + grads,
+        rows * (pair + 3 * H * b) + grads + 3 * H * inter * 4,
+    )
+
+
+def _moe_rows(c: Qwen3Config, tokens: int, tile: int) -> int:
+    """Rows of one expert's tile: its share of the tokens x top_k pairs at an even spread over
+    the experts, at most the tile. A load-balanced router spreads them so; the experts' load
+    in each step's record (router_loss's) says by how much a real one does not."""
+    even = -(-tokens * c.num_experts_per_tok // c.num_experts)
+    return min(tile or MOE_TILE, even)
+
+
+def _moe_accumulators(c: Qwen3Config, tokens: int, tile: int) -> int:
+    """The fp32 weight-gradient accumulators of the expert in the loop (3 x H x I, 4 bytes):
+    live through a tile only when that expert's pairs take more than one tile; the first tile's
+    upcast gradients are _moe_tile's."""
+    even = -(-tokens * c.num_experts_per_tok // c.num_experts)
+    several = even > (tile or MOE_TILE)
+    return 3 * c.hidden_size * c.moe_intermediate_size * 4 if several else 0
+
+
+def _moe_routing(c: Qwen3Config, tokens: int, b: int) -> int:
+    """The routing held through the expert loop: each token's top-k weights (compute dtype)
+    and experts (int64), the pairs' order (int64) and, in backward, their fp32 gradients."""
+    return tokens * c.num_experts_per_tok * (b + 8 + 8 + 4)
+
+
+MLP_PROJECTIONS = {"gate_proj", "up_proj", "down_proj"}
+
+
+def _lora_saved(
+    c: Qwen3Config, lora: LoraSpec | None, names: set[str], rows: int, b: int, mask: int
+) -> int:
+    """Bytes the LoRA adapters of the linear layers `names` (those lora targets) save for backward
+    over `rows` tokens (model/lora.py's LoraLinear, or a tile's _low_rank_delta): lora_B's input
+    x A^T [rows, rank]. lora_A's input is the linear's own input (counted by the caller) unless
+    dropout makes its own: then the dropped x [rows, in] and dropout's mask (`mask` bytes an
+    element)."""
+    if lora is None:
+        return 0
+    H, inter, q = c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim
+    inputs = dict(q_proj=H, k_proj=H, v_proj=H, o_proj=q, gate_proj=H, up_proj=H, down_proj=inter)
+    total = 0
+    for name in names & set(lora.targets):
+        total += rows * lora.rank * b
+        if lora.dropout > 0:
+            total += rows * inputs[name] * (b + mask)
+    return total
 
 
 def _saved_through(saved: dict[Buffer, int], last: Buffer) -> dict[Buffer, int]:
@@ -189,9 +306,9 @@ def layer_backward_moments(
     device: str = "cuda",
     norm_chunk: int = RMSNORM_CHUNK_ELEMS,
     attn_backend: str = "cudnn",
-    lora_adapters: tuple[int, int] | None = None,
+    lora: LoraSpec | None = None,
 ) -> dict[str, dict[Buffer, int]]:
-    """The activation bytes of one recomputed decoder layer's backward at its four moments.
+    """The activation bytes of one recomputed decoder layer's backward at its moments.
 
     In the order they come, each with what the recompute saved and is still live, the layer
     input and the next one's (offload), and the moment's own tensors:
@@ -199,6 +316,9 @@ def layer_backward_moments(
         act and up: 6 x [t, intermediate]; tiled, 7 x [tile, intermediate] (the tile's product
         stays referenced), fp32 weight-gradient accumulators and a full input-gradient buffer;
       "post-attention norm backward": its input gradients and one row chunk of fp32 temporaries;
+      "attention out-gradient exchange" (sp > 1): o_proj's input gradient [t, heads, hd] goes
+        back to SDPA's layout through an all-to-all (model/ulysses_exchange.py): the gradient,
+        its send copy and the receive buffer, three q-sized tensors, with o_proj's gradient made;
       "attention backward": SDPA's backward writes dq, dk, dv, with the kernel's own workspace
         (invisible to a CPU meter): FlashAttention's fp32 dq accumulator and delta; cuDNN's,
         under its own name, projected at the same size until bench/gpu_check.py's
@@ -208,37 +328,82 @@ def layer_backward_moments(
       "q/k norm backward": after SDPA and the exchanges, the q norm's fp32 temporaries for one row
         chunk (model/qwen3.py's _RMSNormFn: the normalised rows, the upcast gradient and two
         partial results of the last expression, live together at its final product).
-    The all-to-all's staging copies (3 q-sized buffers around one exchange) and a tile's bf16
-    weight-gradient products come at moments that hold less than these.
-    lora_adapters (LoRA: the layer's adapter elements, and its MLP's): the frozen weights make no
-    gradient, so the layer's own gradients are the adapters' (counted whole at every moment)
-    and the tiled MLP accumulates only its adapters' in fp32.
+    The forward exchanges' staging copies and a tile's bf16 weight-gradient products come at
+    moments that hold less than these.
+    lora (model/lora.py): the frozen weights make no gradient, so the layer's own gradients are
+    the adapters' (counted whole at every moment) and the tiled MLP accumulates only its
+    adapters' in fp32; the adapters' saved x A^T are layer_saved_bytes'. In a tile's backward
+    (model/tiled_mlp.py) a down_proj adapter adds a [tile, intermediate] and a [tile, hidden]:
+    the product's gradient is the given one (still referenced) summed with the adapter's part,
+    and the adapter's output is held while autograd takes the tile's gradients.
+    A mixture of experts' moments are a sparse layer's (model/moe.py), the largest: under LoRA
+    its experts are frozen (no expert accumulators) and its adapters are attention's alone.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd, nh = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads
     X, Q = t * H * b, t * nh * hd * b
     K = t * max(c.num_key_value_heads, sp) * hd * b
     Kl = t * c.num_key_value_heads * hd * b  # k or v before any repeat, [t, nkv, hd]
-    saved = layer_saved_bytes(c, t, sp, fused_norm=fused_norm, tiled_mlp=tiled_mlp, compute_bytes=b)
+    saved = layer_saved_bytes(
+        c,
+        t,
+        sp,
+        fused_norm=fused_norm,
+        tiled_mlp=tiled_mlp,
+        compute_bytes=b,
+        lora=lora,
+        device=device,
+    )
+    if lora is not None:  # elements of the layer's adapters, and of its MLP's
+        shapes = adapter_shapes(c, lora)  # the largest layer's: a MoE's sparse one, no MLP adapters
+        adapter_elements = sum(math.prod(s) for s in shapes.values())
+        mlp_adapter_elements = sum(math.prod(s) for k, s in shapes.items() if k.startswith("mlp."))
     io = {  # offload=False: the input is among the kept ones (memory/plan.py counts it so)
         Buffer.LAYER_INPUT: X if offload else 0,
         Buffer.NEXT_INPUT: X if offload else 0,
         Buffer.ROPE: 2 * t * hd * b,  # cos and sin, [t, hd] each
     }
-    if tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
+    if c.num_experts:  # model/moe.py: the experts' loop, its stacked gradients made up front
+        moe = c.moe_intermediate_size
+        mlp = {
+            Buffer.OUTPUT_GRAD: X,
+            Buffer.MOE_ROUTING: _moe_routing(c, t, b),
+            Buffer.MOE_TILE: _moe_tile(c, t, mlp_tile, b, backward=True),
+            # LoRA: the experts are frozen, so no expert's gradients are accumulated
+            Buffer.MOE_WEIGHT_GRAD_ACC: 0
+            if lora is not None
+            else _moe_accumulators(c, t, mlp_tile),
+            Buffer.MLP_INPUT_GRAD_BUFFER: X,
+        }
+        inter = c.num_experts * moe  # the layer's MLP gradients: every expert's
+    elif tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
+        rows = min(mlp_tile, t)
+        down_adapter = lora is not None and "down_proj" in lora.targets
         mlp = {
             Buffer.OUTPUT_GRAD: X,
             # 7 x [tile, intermediate]: the tile's gate, up, act = silu(gate) and product =
             # act * up (4), and the gradients of product, act and up (3)
-            Buffer.MLP_TILE: 7 * min(mlp_tile, t) * inter * b,
+            Buffer.MLP_TILE: 7 * rows * inter * b,
             # 3 fp32 (4-byte) accumulators, one per weight: gate_proj, up_proj, down_proj; under
             # LoRA only the adapters' accumulators
-            Buffer.MLP_WEIGHT_GRAD_ACC: (lora_adapters[1] if lora_adapters else 3 * H * inter) * 4,
+            Buffer.MLP_WEIGHT_GRAD_ACC: (mlp_adapter_elements if lora else 3 * H * inter) * 4,
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
+            # what the tile's MLP adapters save, over the tile's rows
+            Buffer.LORA_MLP: _lora_saved(
+                c, lora, MLP_PROJECTIONS, rows, b, 1 if device == "cuda" else b
+            ),
+            # a down_proj adapter: the product's summed gradient [tile, intermediate] beside the
+            # given one, and the adapter's output [tile, hidden]
+            Buffer.LORA_MLP_TILE: rows * (inter + H) * b if down_adapter else 0,
         }
     else:  # the product itself is freed at its backward; gate, up and act are counted here
-        # 6 x [t, intermediate]: gate, up, act (3), and the gradients of product, act and up (3)
-        mlp = {Buffer.OUTPUT_GRAD: X, Buffer.MLP_BACKWARD: 6 * t * inter * b}
+        # 6 x [t, intermediate]: gate, up, act (3), and the gradients of product, act and up (3);
+        # LoRA: what the MLP adapters saved in the forward
+        mlp = {
+            Buffer.OUTPUT_GRAD: X,
+            Buffer.MLP_BACKWARD: 6 * t * inter * b,
+            Buffer.LORA_MLP: saved[Buffer.LORA_MLP],
+        }
     post = {
         Buffer.OUTPUT_GRAD: X,
         Buffer.MLP_INPUT_GRAD: X,
@@ -246,6 +411,11 @@ def layer_backward_moments(
         # 4 fp32 (4-byte) tensors per element of one row chunk: the normalised rows, the upcast
         # gradient and two partial results of the input gradient's expression
         Buffer.NORM_TEMPORARIES: 4 * min(t * H, norm_chunk) * 4,
+    }
+    exchange = {  # sp > 1: the gradient, its send copy (2 x q-sized) and the receive buffer
+        Buffer.RESIDUAL_GRAD: X,
+        Buffer.O_PROJ_INPUT_GRAD: 2 * Q,
+        Buffer.ATTN_OUT_GRAD: Q,
     }
     cuda = device == "cuda"
     expands = cuda and attn_backend == "flash" and nh > max(c.num_key_value_heads, sp)
@@ -266,9 +436,10 @@ def layer_backward_moments(
     # weight's gradient (3 x HI: gate_proj, up_proj, down_proj); HQ: o_proj's. Tiled, the MLP's
     # weight gradients are in the fp32 accumulators until its backward ends.
     HI, HQ = H * inter * b, H * nh * hd * b
-    grads = [0 if tiled_mlp else HI, 3 * HI, 3 * HI + HQ, 3 * HI + HQ]
-    if lora_adapters is not None:
-        grads = [lora_adapters[0] * b] * 4
+    # MoE: HI is every expert's, and the experts' stacked gradients are made whole up front
+    grads = [3 * HI if c.num_experts else 0 if tiled_mlp else HI, 3 * HI, 3 * HI + HQ, 3 * HI + HQ]
+    if lora is not None:  # the frozen weights make none: only the adapters' (see above)
+        grads = [adapter_elements * b] * 4
     return {
         "MLP backward": {
             **io,
@@ -282,6 +453,18 @@ def layer_backward_moments(
             **post,
             Buffer.LAYER_GRADS: grads[1],
         },
+        **(
+            {
+                "attention out-gradient exchange": {
+                    **io,
+                    **_saved_through(saved, Buffer.ATTN_LSE),
+                    **exchange,
+                    Buffer.LAYER_GRADS: grads[2],
+                }
+            }
+            if sp > 1
+            else {}
+        ),
         "attention backward": {
             **io,
             **_saved_through(saved, Buffer.ATTN_LSE),
@@ -329,6 +512,18 @@ def layer_forward_moments(
     K = t * max(c.num_key_value_heads, sp) * hd * b  # k or v at SDPA, one repeated head if sp > nkv
     Kl = t * c.num_key_value_heads * hd * b  # k or v before the exchange, [t, nkv, hd]
     rows = min(mlp_tile, t) if tiled_mlp else t
+    mlp = {
+        Buffer.MLP_FORWARD: 3 * rows * inter * b,  # act, up and product = act x up
+        # the output [t, H] and one tile's down projection [tile, H]
+        Buffer.MLP_OUTPUT: X + rows * H * b if tiled_mlp else 0,
+    }
+    if c.num_experts:  # model/moe.py: the router's [t, E] first, then the loop over experts
+        mlp = {
+            Buffer.MOE_ROUTER: t * c.num_experts * (b + 4),
+            Buffer.MOE_ROUTING: _moe_routing(c, t, b),
+            Buffer.MOE_TILE: _moe_tile(c, t, mlp_tile, b, backward=False),
+            Buffer.MLP_OUTPUT: X,
+        }
     # RMSNorm's forward per element of a chunk: its square, then the normalised rows (fp32
     # inputs: one at a time); for bf16 also the fp32 upcast the two are made from, and the cast.
     # Per row: the fp32 1/rms of every row, and of the chunk's rows.
@@ -369,9 +564,7 @@ def layer_forward_moments(
             **io,
             Buffer.RESIDUAL: X,
             Buffer.POST_NORM: X,
-            Buffer.MLP_FORWARD: 3 * rows * inter * b,  # act, up and product = act x up
-            # the output [t, H] and one tile's down projection [tile, H]
-            Buffer.MLP_OUTPUT: X + rows * H * b if tiled_mlp else 0,
+            **mlp,
         },
     }
 
@@ -432,7 +625,8 @@ def loss_moments(
     temporaries: the chunk's logits [chunk, V] before their upcast, and the [V, H] product added
     into the accumulator; one is freed before the other is made. "loss backward": the accumulator
     and its cast to the weight's dtype, the hidden gradient and its scaled copy (train.py drops
-    the hidden states). head_grad=False (a frozen lm_head, LoRA): no accumulator, no cast.
+    the hidden states). Both hold the RoPE tables, saved by every layer's checkpoint for its
+    recompute. head_grad=False (a frozen lm_head, LoRA): no accumulator, no cast.
     """
     c, b = config, compute_bytes
     V, H = c.vocab_size, c.hidden_size
@@ -443,8 +637,10 @@ def loss_moments(
     if low and not fused:
         chunk += max(rows * V * b, V * H * b if head_grad else 0)
     norm = _norm_saved(tokens, H, b, fused_norm, input_elsewhere=False)
+    rope = 2 * tokens * c.head_dim * b  # cos and sin [t, hd]: every layer's checkpoint holds them
     return {
         "loss forward": {
+            Buffer.ROPE: rope,
             Buffer.FINAL_NORM: norm,
             Buffer.HIDDEN: X,
             Buffer.HIDDEN_GRAD: X,
@@ -452,6 +648,7 @@ def loss_moments(
             Buffer.LOSS_CHUNK: chunk,
         },
         "loss backward": {
+            Buffer.ROPE: rope,
             Buffer.FINAL_NORM: norm,
             Buffer.LM_HEAD_GRAD_ACC: V * H * 4 if head_grad else 0,
             Buffer.LM_HEAD_GRAD: V * H * b if head_grad else 0,

@@ -13,6 +13,10 @@ multiple of the world size: every rank stores ceil(dim0 / world) rows, and an al
 (a decoder layer, the embedding, [final norm + lm_head]) keeps the padding. With CPU offload each
 parameter and gradient shard is one pinned host buffer, rounded up to a power of two
 (host_pinned_bytes). FLOPs count matrix products only, 2 per multiply-add (step_flops).
+
+A mixture of experts (Qwen3-30B-A3B) has its experts stacked in each sparse layer, [experts, ...]
+tensors FSDP2 shards by expert like rows: a gathered layer holds all of them (the largest layer
+is the unit every plan counts), while a token's FLOPs count only its top-k experts and the router.
 """
 
 from __future__ import annotations
@@ -30,16 +34,31 @@ def param_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     c, H = config, config.hidden_size
     shapes = {"model.embed_tokens.weight": (c.vocab_size, H)}
     for i in range(c.num_hidden_layers):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in _layer_shapes(c).items()})
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in _layer_shapes(c, i).items()})
     shapes["model.norm.weight"] = (H,)
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, H)
     return shapes
 
 
-def _layer_shapes(c: Qwen3Config) -> dict[str, tuple[int, ...]]:
+def _layer_shapes(c: Qwen3Config, i: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Layer i's parameter shapes; i None: the largest layer (a sparse one, if any)."""
+    if i is None:
+        i = next((j for j in range(c.num_hidden_layers) if c.is_sparse_layer(j)), 0)
     H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    mlp = {
+        "mlp.gate_proj.weight": (inter, H),
+        "mlp.up_proj.weight": (inter, H),
+        "mlp.down_proj.weight": (H, inter),
+    }
+    if c.is_sparse_layer(i):  # model/moe.py's stacked experts and router
+        E, moe = c.num_experts, c.moe_intermediate_size
+        mlp = {
+            "mlp.gate.weight": (E, H),
+            "mlp.experts.gate_up_proj": (E, 2 * moe, H),
+            "mlp.experts.down_proj": (E, H, moe),
+        }
     return {
         "self_attn.q_proj.weight": (q, H),
         "self_attn.k_proj.weight": (kv, H),
@@ -47,19 +66,20 @@ def _layer_shapes(c: Qwen3Config) -> dict[str, tuple[int, ...]]:
         "self_attn.o_proj.weight": (H, q),
         "self_attn.q_norm.weight": (hd,),
         "self_attn.k_norm.weight": (hd,),
-        "mlp.gate_proj.weight": (inter, H),
-        "mlp.up_proj.weight": (inter, H),
-        "mlp.down_proj.weight": (H, inter),
+        **mlp,
         "input_layernorm.weight": (H,),
         "post_attention_layernorm.weight": (H,),
     }
 
 
-def adapter_shapes(c: Qwen3Config, lora: LoraSpec) -> dict[str, tuple[int, ...]]:
-    """One decoder layer's LoRA adapters (model/lora.py): lora_A [rank, in] and lora_B
-    [out, rank] of every targeted linear layer, under their names in the layer."""
+def adapter_shapes(
+    c: Qwen3Config, lora: LoraSpec, i: int | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Layer i's LoRA adapters (model/lora.py): lora_A [rank, in] and lora_B [out, rank] of
+    every targeted linear layer, under their names in the layer; i None: the largest layer's.
+    A sparse layer's router (named gate, not gate_proj) and stacked experts (3-D) take none."""
     out = {}
-    for name, shape in _layer_shapes(c).items():
+    for name, shape in _layer_shapes(c, i).items():
         module = name.removesuffix(".weight")
         if len(shape) == 2 and module.rsplit(".", 1)[-1] in lora.targets:
             rows, cols = shape
@@ -132,7 +152,8 @@ def fsdp_units(
     shapes = dict(param_shapes(c))
     if lora is not None:
         for i in range(c.num_hidden_layers):
-            shapes.update({f"model.layers.{i}.{k}": v for k, v in adapter_shapes(c, lora).items()})
+            adapters = adapter_shapes(c, lora, i)
+            shapes.update({f"model.layers.{i}.{k}": v for k, v in adapters.items()})
     trained = {k: v for k, v in shapes.items() if trains(k, lora)}
     frozen = sum(shard_numel(v, world) for k, v in shapes.items() if k not in trained)
     trainable = sum(shard_numel(v, world) for v in trained.values())
@@ -155,6 +176,16 @@ def fsdp_units(
         head_grad_gathered=_gathered_numel(head_trained, world),
         head_grad_shard=sum(shard_numel(s, world) for s in head_trained) * master_bytes,
     )
+
+
+def _active_matmul_params(c: Qwen3Config, i: int) -> int:
+    """Matrix-product parameters one token meets in layer i: every 2-D weight of a dense layer;
+    in a sparse one the router and its top-k experts, not all of them."""
+    shapes = _layer_shapes(c, i)
+    flat = sum(math.prod(s) for s in shapes.values() if len(s) == 2)
+    if not c.is_sparse_layer(i):
+        return flat
+    return flat + c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
 
 
 def attention_square(seq_len: int, doc_len: int = 0) -> int:
@@ -190,16 +221,16 @@ def step_flops(
     recompute, and a 2x backward) are added to the dense ones.
     """
     c, T = config, seq_len
-    layer_mm = sum(math.prod(s) for s in _layer_shapes(c).values() if len(s) == 2)
-    dense = 2.0 * layer_mm * c.num_hidden_layers * T
+    dense = 2.0 * sum(_active_matmul_params(c, i) for i in range(c.num_hidden_layers)) * T
     lm_head = 2.0 * c.vocab_size * c.hidden_size * T
     square = attention_square(T, doc_len)  # T^2 for one sequence
     attn = c.num_hidden_layers * 2 * (2.0 * square / 2) * c.num_attention_heads * c.head_dim
     model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn
     dense_bwd, loss = 2 * dense, 3 * lm_head
     if lora is not None:
-        adapters = sum(math.prod(s) for s in adapter_shapes(c, lora).values())
-        adapter_fwd = 2.0 * adapters * c.num_hidden_layers * T
+        layers = range(c.num_hidden_layers)
+        adapters = sum(math.prod(s) for i in layers for s in adapter_shapes(c, lora, i).values())
+        adapter_fwd = 2.0 * adapters * T
         head = "model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"
         loss = (3 if trains(head, lora) else 2) * lm_head
         dense_bwd = dense + 2 * adapter_fwd  # the frozen weights: their input's gradient only

@@ -38,7 +38,6 @@ size is arithmetic on the config. GB here means 1e9 bytes, GiB 2**30.
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -53,7 +52,6 @@ from memory.buffers import (
 )
 from memory.model_size import (
     FsdpUnits,
-    adapter_shapes,
     fsdp_units,
     host_pinned_bytes,
     param_shapes,
@@ -531,15 +529,6 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[di
     return gathered, working
 
 
-def _adapter_elements(c: Qwen3Config, lora: LoraSpec | None) -> tuple[int, int] | None:
-    """(a layer's adapter elements, its MLP adapters' elements); None in full fine-tuning."""
-    if lora is None:
-        return None
-    shapes = adapter_shapes(c, lora)
-    mlp = sum(math.prod(s) for k, s in shapes.items() if k.startswith("mlp."))
-    return sum(math.prod(s) for s in shapes.values()), mlp
-
-
 def _step_moments(
     c: Qwen3Config, t: int, layout: Layout, o: Options, u: FsdpUnits, kept: tuple[_Kept, ...]
 ) -> tuple[Moment, ...]:
@@ -587,7 +576,7 @@ def _step_moments(
         device=o.device,
         norm_chunk=o.norm_chunk,
         attn_backend=o.attn_backend,
-        lora_adapters=_adapter_elements(c, o.lora),
+        lora=o.lora,
     )
     # the device-kept bytes of layers 0..i-1 at index i
     inputs_below = [0, *itertools.accumulate(k.device_input for k in kept)]

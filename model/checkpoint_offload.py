@@ -29,7 +29,8 @@ The one idea. Torch's own baseline is three lines:
 This file works the same way (non-reentrant checkpoint saves a layer's inputs through the
 saved-tensor hooks around it) but makes the copies cheap: of the inputs only the hidden state moves,
 into pinned blocks reused every step, on side streams, and each comes back one layer ahead. With
-save_attention the recompute also skips attention's forward, and a tiled MLP skips its tiles.
+save_attention the recompute also skips attention's forward; a tiled MLP skips its tiles, and a
+mixture-of-experts block (model/moe.py) its experts, in every recompute.
 docs/offload.md tells a layer input's journey in the order it happens, and why not save_on_cpu.
 
 Any decoder layer works: a module whose forward takes tensors and keyword arguments (ours, or
@@ -228,11 +229,14 @@ class _OffloadedForward:
                 store.keep, store.fetch = functools.partial(_keep_on_host, pool), pool.unpack
         # nothing of this layer's in the pool: its recompute starts the nearest earlier one's
         prefetch = pool.prefetcher() if pool is not None and not place.on_host else None
-        mlp = None
-        if self.tiled_mlp:
-            from model.tiled_mlp import mlp_tiling
+        mlp = getattr(self.layer, "mlp", None)
+        is_moe = hasattr(mlp, "skipping")  # a MoE block (model/moe.py) skips in any recompute
+        if self.tiled_mlp and not is_moe:
+            from model.tiled_mlp import mlp_tiling  # only here: a flat copy need not tile
 
-            mlp = mlp_tiling(self.layer.mlp)
+            mlp = mlp_tiling(mlp)
+        elif not is_moe:
+            mlp = None
         attention = getattr(self.layer, "self_attn", None)
         body = LayerReplay(self.body, attention=attention, store=store, mlp=mlp, prefetch=prefetch)
         if prefetch is not None or pool is None:
@@ -306,7 +310,10 @@ def offload_layer(
             )
         from model.tiled_mlp import set_mlp_tiling
 
-        set_mlp_tiling(layer.mlp, tile_mlp)
+        if hasattr(layer.mlp, "set_tiling"):  # a MoE block: pairs per expert product
+            layer.mlp.set_tiling(tile_mlp)
+        else:
+            set_mlp_tiling(layer.mlp, tile_mlp)
     layer.forward = _OffloadedForward(
         layer, pool, preserve_rng_state, placement, tiled_mlp=tile_mlp is not None
     )

@@ -4,8 +4,9 @@
     cfg = Qwen3Config.from_hf("/models/Qwen3-8B")           # a directory, a config.json, or a dict
     cfg = cfg.with_yarn(factor=32, original_max_position_embeddings=32768)
 
-Only what this repository can run is accepted: dense Qwen3 (no MoE, no sliding window), SiLU MLP,
-no attention bias, RoPE "default" or "yarn". Anything else is refused with a ConfigError (a
+Only what this repository can run is accepted: Qwen3 dense or mixture-of-experts (model_type
+"qwen3_moe": Qwen3-30B-A3B and its kin, model/moe.py), no sliding window, SiLU MLP, no attention
+bias, RoPE "default" or "yarn". Anything else is refused with a ConfigError (a
 ValueError) of one line that names the file and the problem.
 """
 
@@ -58,6 +59,14 @@ class Qwen3Config:
     initializer_range: float = 0.02
     bos_token_id: int | None = 151643
     eos_token_id: int | None = 151645
+    # Mixture of experts (Qwen3MoeForCausalLM); num_experts 0: a dense Qwen3.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the chosen experts' probabilities to sum 1
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight when it is on
 
     def __post_init__(self):
         for name in (
@@ -78,6 +87,30 @@ class Qwen3Config:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts and not (
+            1 <= self.num_experts_per_tok <= self.num_experts
+            and self.moe_intermediate_size > 0
+            and self.decoder_sparse_step > 0
+        ):
+            raise ConfigError(
+                f"a mixture of experts needs 1 <= num_experts_per_tok ({self.num_experts_per_tok})"
+                f" <= num_experts ({self.num_experts}), moe_intermediate_size > 0 "
+                f"({self.moe_intermediate_size}) and decoder_sparse_step > 0 "
+                f"({self.decoder_sparse_step})"
+            )
+
+    # ---- mixture of experts -------------------------------------------------------------
+    def is_sparse_layer(self, i: int) -> bool:
+        """Whether decoder layer i holds experts (transformers' Qwen3MoeDecoderLayer's rule)."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def sparse_layers(self) -> int:
+        return sum(self.is_sparse_layer(i) for i in range(self.num_hidden_layers))
 
     # ---- derived sizes ------------------------------------------------------------------
     @property
@@ -91,7 +124,16 @@ class Qwen3Config:
         mlp = 3 * h * self.intermediate_size
         layer = attn + mlp + 2 * h
         emb = self.vocab_size * h
-        return emb * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+        sparse = self.sparse_layers * (self.moe_layer_params() - mlp)  # experts instead of an MLP
+        return (
+            emb * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
+        ) + sparse
+
+    def moe_layer_params(self, experts: int | None = None) -> int:
+        """Parameters of one sparse block: the router and `experts` experts (all by default)."""
+        experts = self.num_experts if experts is None else experts
+        h = self.hidden_size
+        return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
 
     # ---- presets ------------------------------------------------------------------------
     @classmethod
@@ -209,6 +251,7 @@ class Qwen3Config:
             initializer_range=float(d.get("initializer_range", 0.02)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=_first(d.get("eos_token_id")),
+            **_moe_fields(d),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -238,6 +281,19 @@ class Qwen3Config:
             "eos_token_id": self.eos_token_id,
             "torch_dtype": "bfloat16",
         }
+        if self.num_experts:
+            d.update(
+                architectures=["Qwen3MoeForCausalLM"],
+                model_type="qwen3_moe",
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                router_aux_loss_coef=self.router_aux_loss_coef,
+                output_router_logits=False,
+            )
         if self.yarn is not None:
             y = asdict(self.yarn)
             d["rope_scaling"] = {
@@ -254,19 +310,41 @@ def _first(x):
     return x[0] if isinstance(x, list) and x else x
 
 
+def _moe_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe config.json (transformers 5 writes the
+    number of experts as num_local_experts), transformers' defaults where absent."""
+    if d.get("model_type") != "qwen3_moe":
+        return {}
+    return dict(
+        num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
+        num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+        moe_intermediate_size=int(d.get("moe_intermediate_size", 768)),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(d.get("decoder_sparse_step", 1)),
+        mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+        router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+    )
+
+
+KNOWN = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type: class
+
+
 def _refuse_unsupported(d: dict[str, Any], where: str) -> None:
     model_type = d.get("model_type")
     archs = d.get("architectures") or []
-    if model_type not in (None, "qwen3") or any(a != "Qwen3ForCausalLM" for a in archs):
+    arch = KNOWN.get(model_type or "qwen3")
+    if arch is None or any(a != arch for a in archs):
         raise ConfigError(
-            f"{where}: model_type={model_type!r}, architectures={archs} is not a dense Qwen3 "
-            f"(model_type 'qwen3', Qwen3ForCausalLM); this trainer runs dense Qwen3 only, "
-            f"such as Qwen/Qwen3-8B"
+            f"{where}: model_type={model_type!r}, architectures={archs} is not a Qwen3 "
+            f"(model_type 'qwen3', Qwen3ForCausalLM, or 'qwen3_moe', Qwen3MoeForCausalLM); "
+            f"this trainer runs Qwen3 only, such as Qwen/Qwen3-8B or Qwen/Qwen3-30B-A3B"
         )
-    if d.get("num_experts") or d.get("num_local_experts"):
+    if model_type == "qwen3_moe" and not (d.get("num_experts") or d.get("num_local_experts")):
+        raise ConfigError(f"{where}: a qwen3_moe config without num_experts")
+    if model_type != "qwen3_moe" and (d.get("num_experts") or d.get("num_local_experts")):
         raise ConfigError(
-            f"{where}: mixture-of-experts configs are not supported; "
-            f"use a dense Qwen3 such as Qwen/Qwen3-8B"
+            f"{where}: experts in a config whose model_type is not 'qwen3_moe'; "
+            f"mixture-of-experts models other than Qwen3-MoE are not supported"
         )
     if d.get("use_sliding_window"):
         raise ConfigError(
@@ -331,6 +409,18 @@ PRESETS: dict[str, Qwen3Config] = {
         num_hidden_layers=64,
         num_attention_heads=64,
         num_key_value_heads=8,
+    ),
+    # Qwen/Qwen3-30B-A3B: 48 layers, each with 128 experts of 768, 8 per token (model/moe.py).
+    "qwen3-30b-a3b": Qwen3Config(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
     ),
     # For tests and the CPU demo: head_dim deliberately not hidden / heads, GQA ratio 2.
     "tiny": Qwen3Config(

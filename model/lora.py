@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -125,7 +125,9 @@ def trains_whole(name: str, spec: LoraSpec) -> bool:
 def add_lora(model: nn.Module, spec: LoraSpec, *, base_dtype: torch.dtype | None = None) -> None:
     """Replace every nn.Linear named by spec.targets with a LoraLinear, freeze every other
     parameter except the modules spec.train names, and store the frozen ones in base_dtype
-    (None: as they are). Works on a model on the meta device (before FSDP2's fully_shard)."""
+    (None: as they are). Works on a model on the meta device (before FSDP2's fully_shard).
+    Only plain nn.Linear modules are adapted, not subclasses of it (a MoE router); as in PEFT,
+    a target that names nothing is passed over while another target names something."""
     if spec.rank < 1:
         raise ValueError(f"LoRA rank must be at least 1, got {spec.rank}")
     if not 0 <= spec.dropout < 1:
@@ -137,9 +139,10 @@ def add_lora(model: nn.Module, spec: LoraSpec, *, base_dtype: torch.dtype | None
             parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
             setattr(parent, last, LoraLinear(module, spec.rank, spec.scale, spec.dropout))
             found.append(last)
-    missing = sorted(set(spec.targets) - set(found))
-    if missing:
-        raise ValueError(f"LoRA targets {missing} name no nn.Linear in {type(model).__name__}")
+    if not found:  # PEFT's rule: a target may miss (a MoE model's sparse MLPs), not all of them
+        raise ValueError(
+            f"LoRA targets {sorted(spec.targets)} name no nn.Linear in {type(model).__name__}"
+        )
     trained = {
         id(p) for n, m in model.named_modules() if trains_whole(n, spec) for p in m.parameters()
     }
@@ -245,12 +248,16 @@ def save_adapter(
 ) -> None:
     """PEFT's adapter directory: adapter_model.safetensors and adapter_config.json, which
     peft.PeftModel.from_pretrained(base, path) loads. Collective for FSDP2 models: every rank
-    calls it, only those with write=True write."""
+    calls it, only those with write=True write. target_modules lists the targets that named
+    an adapted layer: PEFT takes gate_proj/up_proj/down_proj on a Qwen3 mixture of experts for
+    its stacked experts, which have no adapter here."""
     from safetensors.torch import save_file
 
     tensors = adapter_state(model, dtype=dtype)
     if not write:
         return
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, LoraLinear)}
+    spec = replace(spec, targets=tuple(t for t in spec.targets if t in adapted))
     os.makedirs(path, exist_ok=True)
     tmp = os.path.join(path, ADAPTER_WEIGHTS + ".tmp")
     save_file(tensors, tmp, metadata={"format": "pt"})

@@ -36,6 +36,7 @@ from torch import nn
 
 from model.attention import attention
 from model.config import Qwen3Config
+from model.moe import Experts, SparseMoeBlock
 from model.seeded_init import seeded_normal_
 
 
@@ -235,13 +236,25 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
 
 
+def sparse_moe(config: Qwen3Config) -> SparseMoeBlock:
+    """A Qwen3-MoE layer's experts and router in place of the MLP (model/moe.py)."""
+    c = config
+    return SparseMoeBlock(
+        c.hidden_size,
+        c.moe_intermediate_size,
+        c.num_experts,
+        c.num_experts_per_tok,
+        c.norm_topk_prob,
+    )
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config):
+    def __init__(self, config: Qwen3Config, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = sparse_moe(config) if config.is_sparse_layer(index) else MLP(config)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, doc_lens=None
@@ -256,7 +269,9 @@ class Qwen3Body(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -316,6 +331,7 @@ class Qwen3(nn.Module):
         seed = torch.initial_seed() if seed is None else seed
         std = self.config.initializer_range
         drawn = {id(m.weight) for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+        drawn |= {id(p) for m in self.modules() if isinstance(m, Experts) for p in m.parameters()}
         norms = {id(m.weight) for m in self.modules() if isinstance(m, RMSNorm)}
         for name, p in self.named_parameters():  # a tied lm_head once, as model.embed_tokens
             if id(p) in drawn:

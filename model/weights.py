@@ -6,7 +6,10 @@
 load_safetensors(model, path): every tensor is read lazily through safe_open's get_slice, and
 only the rows this process owns: for an FSDP2 parameter (a DTensor sharded on dim 0) that is its
 shard's rows, for a plain tensor all of them. No process reads a whole file or a tensor it does
-not own. Keys, shapes and missing tensors are checked first and reported together.
+not own. Keys, shapes and missing tensors are checked first and reported together. A mixture of
+experts' stacked parameters (model/moe.py) are read from one tensor per expert and projection,
+this rank's experts only, and written back the same way (what save_pretrained writes and every
+transformers release reads); a file that stacks them is read as it is.
 
 save_safetensors(model, path): parameters are gathered one at a time (never the whole model on one
 device), rank 0 writes bf16 shards of at most 5 GB, an index, and config.json, which
@@ -25,6 +28,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from model.moe import expert_pieces, split_experts
 
 try:  # DTensor is what FSDP2 parameters are; plain models never need it
     import torch.distributed as dist
@@ -126,12 +131,19 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True, skip
     sources = {name: name for name in targets}
     if tied and "lm_head.weight" not in where:
         sources["lm_head.weight"] = "model.embed_tokens.weight"  # tied files omit lm_head
-    missing = sorted(n for n, src in sources.items() if src not in where)
-    unexpected = sorted(k for k in where if k not in targets)
+    # Stacked experts from one tensor per expert (model/moe.py), unless the file stacks them too.
+    pieces = {n: expert_pieces(n, targets[n].shape) for n in targets if n not in where}
+    pieces = {n: p for n, p in pieces.items() if p is not None}
+    wanted = {n: (src, tuple(targets[n].shape)) for n, src in sources.items() if n not in pieces}
+    for n, parts in pieces.items():
+        for key, _, rows in parts:
+            wanted[key] = (key, (rows.stop - rows.start, *targets[n].shape[2:]))
+    missing = sorted(n for n, (src, _) in wanted.items() if src not in where)
+    unexpected = sorted(k for k in where if k not in wanted and k not in targets)
     misshaped = [
-        f"{n}: checkpoint {shapes[src]} vs model {tuple(targets[n].shape)}"
-        for n, src in sources.items()
-        if src in shapes and shapes[src] != tuple(targets[n].shape)
+        f"{n}: checkpoint {shapes[src]} vs model {shape}"
+        for n, (src, shape) in wanted.items()
+        if src in shapes and shapes[src] != shape
     ]
     if missing or unexpected or misshaped:
         lines = [f"checkpoint {path!r} does not match the model ({type(model).__name__}):"]
@@ -150,21 +162,19 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True, skip
         raise ValueError("\n".join(lines))
 
     # Read file by file so each file is opened once; each tensor only in the rows we own.
-    by_file: dict[str, list[str]] = {}
-    done: set[int] = set()  # tied names share one parameter: fill it once
-    for name, src in sources.items():
-        if id(targets[name]) not in done:
-            done.add(id(targets[name]))
-            by_file.setdefault(where[src], []).append(name)
+    by_file = _reads_by_file(targets, sources, pieces, where)
     bar = _progress(sum(len(v) for v in by_file.values()), progress, "loading weights")
     with torch.no_grad():
         for file, names in by_file.items():
             with safe_open(file, framework="pt") as f:
-                for name in names:
+                for name, key, piece in names:
                     t = targets[name]
                     local = t.to_local() if isinstance(t, DTensor) else t
                     rows = _owned_rows(t)
-                    sl = f.get_slice(sources[name])
+                    sl = f.get_slice(key)
+                    if piece is not None:  # one expert's projection, into its block of rows
+                        local = local[piece[0], piece[1]]
+                        rows = None
                     data = sl[:] if rows is None else sl[rows[0] : rows[1]]
                     if data.shape != local.shape:  # the rows we computed must be FSDP2's shard
                         raise RuntimeError(
@@ -177,6 +187,26 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True, skip
                     bar.update(1)
     bar.close()
     return stats
+
+
+def _reads_by_file(
+    targets, sources, pieces, where
+) -> dict[str, list[tuple[str, str, tuple | None]]]:
+    """file -> [(parameter, checkpoint key, None or (this rank's expert, rows of its block))]:
+    every tensor once (tied names share one parameter), a stacked expert parameter's pieces for
+    this rank's experts only."""
+    by_file: dict[str, list[tuple[str, str, tuple | None]]] = {}
+    done: set[int] = set()
+    for name, src in sources.items():
+        if name in pieces:
+            owned = _owned_rows(targets[name]) or (0, targets[name].shape[0])
+            for key, e, rows in pieces[name]:
+                if owned[0] <= e < owned[1]:
+                    by_file.setdefault(where[key], []).append((name, key, (e - owned[0], rows)))
+        elif id(targets[name]) not in done:
+            done.add(id(targets[name]))
+            by_file.setdefault(where[src], []).append((name, src, None))
+    return by_file
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,8 +260,9 @@ def save_safetensors(
                 t = params[name]
                 full = t.full_tensor() if isinstance(t, DTensor) else t  # collective for DTensors
                 if rank == 0:  # cast where the tensor is (GPU), then copy the smaller result
-                    tensors[name] = full.detach().to(dtype).to("cpu").contiguous()
-                    total += tensors[name].numel() * tensors[name].element_size()
+                    for key, piece in split_experts(name, full.detach().to(dtype).to("cpu")):
+                        tensors[key] = piece.contiguous()  # stacked experts: one tensor each
+                        total += piece.numel() * piece.element_size()
                 del full
                 bar.update(1)
             if rank == 0:

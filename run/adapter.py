@@ -30,6 +30,8 @@ TARGETS = {
     "up": "up_proj",
     "down": "down_proj",
 }
+DEFAULT_TARGETS = ",".join(TARGETS)  # --lora-targets' default: every linear layer of a decoder
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TRAIN = {"embed": "embed_tokens", "norm": "norm", "head": "lm_head"}
 
 
@@ -84,12 +86,52 @@ def check_lora(cfg, mc=None) -> None:
             "--cpu-offload with LoRA buys nothing: the frozen weights have no fp32 copy, "
             "gradient or AdamW state to move; drop --cpu-offload"
         )
+    if mc is not None and mc.num_experts:
+        check_moe_targets(cfg, mc, spec)
     tied = mc is not None and mc.tie_word_embeddings
     if tied and {"embed_tokens", "lm_head"} & set(spec.train):
         raise ConfigError(
             "--lora-train embed/head: this model ties its embedding and output head (one "
             "tensor), which PEFT's adapter files cannot hold; train norm only"
         )
+
+
+def _dense_layers(mc) -> int:
+    return mc.num_hidden_layers - mc.sparse_layers
+
+
+def check_moe_targets(cfg, mc, spec: LoraSpec) -> None:
+    """A mixture of experts: the experts (stacked tensors) and the router take no adapters, so
+    gate/up/down adapt only the dense layers' MLPs. Named on a model without one, or when
+    nothing else is targeted, they are refused; the default targets just pass them over."""
+    mlp = [t for t in spec.targets if t in MLP_TARGETS]
+    if not mlp or _dense_layers(mc):
+        return
+    typed = not cfg.lora_from and cfg.lora_targets != DEFAULT_TARGETS
+    if typed or len(mlp) == len(spec.targets):
+        names = ",".join(k for k, v in TARGETS.items() if v in mlp)
+        raise ConfigError(
+            f"--lora-targets {names}: every MLP of this model is a mixture of experts, whose "
+            f"experts and router take no adapters; target q,k,v,o"
+        )
+
+
+def lora_note(cfg, mc) -> str | None:
+    """The line a LoRA run on a mixture of experts starts with: what is adapted, and that the
+    experts are not. None for full fine-tuning and dense models."""
+    spec = lora_spec(cfg)
+    if spec is None or not mc.num_experts:
+        return None
+    attention = [k for k, v in TARGETS.items() if v in spec.targets and v not in MLP_TARGETS]
+    mlp = [k for k, v in TARGETS.items() if v in spec.targets and v in MLP_TARGETS]
+    dense = _dense_layers(mc)
+    where = [f"{','.join(attention)} in every layer"] if attention else []
+    if mlp and dense:
+        where.append(f"{','.join(mlp)} in the {dense} dense layer{'s' * (dense > 1)}")
+    return (
+        f"LoRA: adapters on {' and '.join(where)}; the experts and the router of the "
+        f"{mc.sparse_layers} mixture-of-experts layers are not adapted (frozen)"
+    )
 
 
 def check_adapter_dir(path: str) -> None:

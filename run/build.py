@@ -25,7 +25,7 @@ build_model does five things, each where it is for a reason:
    block a step uses is pinned now, last, because pinning takes seconds and synchronises, so no
    step should do it.
 
-sharded_model is steps 2 and 3, what a run and --eval-only share. `cfg` is train.py's TrainConfig
+sharded_model is steps 2 and 3, what a run and --eval-only share. `cfg` is a TrainConfig
 (a dataclass): this file reads its fields, hands back a dataclasses.replace of it with what was
 decided (the kernel, CPU offload), and imports nothing from train.py, which runs as __main__.
 With fake_mode (train.py --rehearse) all of it happens on fake tensors and nothing is read.

@@ -451,7 +451,7 @@ def resume(
 def resume_from(cfg, model, optimizer, loader, rank: int) -> int:
     """The step a run starts at: 0, or the step of the checkpoint --resume names, or (auto) of
     the newest one under cfg.out that verifies and loads; rank 0 says which it passed over and
-    why. `cfg` is train.py's TrainConfig (its resume, out and seed)."""
+    why. `cfg` is run/train_config.py's TrainConfig (its resume, out and seed)."""
 
     def say(line: str) -> None:
         if rank == 0:

@@ -9,17 +9,17 @@ raises ConfigError with one line that names the flag or file and the fix. It als
 then reads, and --gpu-mem-gb 0 into the device's, and refuses a run that no layout fits
 (memory/layouts.py). train.py calls it in every process before torch.distributed starts;
 `train.py --check-only` (what torchrun.sh runs once before launching N processes) calls it and
-the directory checks and exits. `cfg` is train.py's TrainConfig; this file reads its fields
+the directory checks and exits. `cfg` is a TrainConfig; this file reads its fields
 and imports nothing from train.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 
+from data.sources import hub_problem
 from data.synthetic import MIN_SEQ_LEN
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError, Qwen3Config
@@ -469,16 +469,17 @@ def check_data(
         )
 
 
-def check_conversations(cfg, model_dir: str, num_rows: int) -> None:
+def check_conversations(cfg, model_dir: str, num_rows: int):
     """Conversations and prompt-completion pairs are rendered, packed and cached now (once per
     node), so a bad row or template is refused before any weight is read: one line naming the
-    file and row (data/conversations.py); so are rows without a label the loss counts."""
+    file and row (data/conversations.py); so are rows without a label the loss counts. Returns
+    the rows (their meta is the start's data line), or None for text."""
     from data.cache import token_cache_dir
     from data.conversations import data_kind
     from data.rows import build_rows
 
     if data_kind(cfg.data) == "text":
-        return
+        return None
     rows = build_rows(
         cfg.data,
         model_dir,
@@ -496,6 +497,7 @@ def check_conversations(cfg, model_dir: str, num_rows: int) -> None:
             f"--data {cfg.data}: the {num_rows} rows the run reads hold no label --loss-on "
             f"{cfg.loss_on} counts; nothing to learn"
         )
+    return rows
 
 
 def check_eval(cfg, mc: Qwen3Config, model_dir: str | None, random_init: bool, dp: int) -> None:
@@ -593,22 +595,6 @@ def agree_on_host_memory(cfg, origin: str) -> str:
     return f"the smallest over the {len(values)} ranks' host memory"
 
 
-@functools.cache
-def hub_problem(repo_id: str, timeout: float = 5.0) -> str | None:
-    """Why the hub's dataset `repo_id` cannot be reached, or None: one metadata request of at
-    most `timeout` seconds (streaming it would retry for half a minute before failing), once
-    per process and repo: train.py runs check_run before its process group and again inside it,
-    and a pg19 run's held-out rows (pg19:validation) are the same dataset."""
-    try:
-        from huggingface_hub import HfApi
-
-        HfApi().dataset_info(repo_id, timeout=timeout)
-    except Exception as e:  # offline, DNS, a proxy, HF_HUB_OFFLINE: each has its own type
-        text = str(e).strip()
-        return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
-    return None
-
-
 def check_hub_source(cfg) -> None:
     """A hub source (pg19, hf:...) is streamed unless the token cache has its rows already:
     without a cache entry for it, the hub must answer now."""
@@ -642,6 +628,10 @@ def check_run(cfg, world: int, local_world: int, *, download: bool = False):
     if mc is None:  # an unknown hub id before its download: what needs its config waits for it
         return None, None, cfg.sp or local_world, world // (cfg.sp or local_world)
     sp, dp = check_layout(cfg, mc, world, local_world)
+    if getattr(cfg, "router_aux_loss", 0) and not mc.num_experts:
+        raise ConfigError(
+            f"--router-aux-loss: {cfg.model} is a dense Qwen3 with no router; drop the flag"
+        )
     random_init = model_dir is None and cfg.model in MODEL_PRESETS
     check_data(cfg, mc, model_dir, random_init, cfg.steps * cfg.grad_accum * dp)
     check_eval(cfg, mc, model_dir, random_init, dp)

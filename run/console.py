@@ -6,7 +6,7 @@
     fail(exc, 2)                       # the one line a failed run prints, and its exit code
 
 The step lines themselves are run/steplog.py's. Every line is printed on rank 0 only (run/build.py's
-log0). `cfg` is train.py's TrainConfig, `mc` the model's Qwen3Config, `log` the run's StepLog.
+log0). `cfg` is a TrainConfig, `mc` the model's Qwen3Config, `log` the run's StepLog.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import traceback
 
 import torch.distributed as dist
 
+from run.adapter import lora_note
 from run.build import log0
 from run.checkpoint import error_line
 
@@ -46,6 +47,8 @@ def describe_run(cfg, mc, world, sp, dp, device, dtype) -> None:
         f"{device.type} processes{nodes(world, sp)}: sp {sp} x dp {dp} | {str(dtype)[6:]} | "
         f"{cfg.steps} steps, lr {cfg.lr:g} {cfg.decay}"
     )
+    if note := lora_note(cfg, mc):  # a mixture of experts: its experts take no adapters
+        log0(note)
     if cfg.data == "synthetic:repeat":  # the demo's data: say what it shows
         counted = "the repeated half only" if cfg.loss_on == "predictable" else "every label"
         log0(

@@ -6,7 +6,8 @@
 
 Each field becomes --field-name (underscores as dashes); a field made with metadata {"help",
 "choices"} gets that help line, ending in its default and choices; a bool field gets --x and
---no-x; a str field with metadata {"repeat": True} takes the flag several times, its values
+--no-x; a number field with metadata {"bare": value} takes that value when the flag comes
+without one; a str field with metadata {"repeat": True} takes the flag several times, its values
 joined by commas (--eval-task loss --eval-task passkey: "loss,passkey"). The value of a field
 is, from weakest to strongest: the dataclass default, then --preset NAME (PRESETS[NAME] = (one
 line, {field: value})) or --config FILE (a run's OUT/config.json: every field, so it reruns that
@@ -46,6 +47,8 @@ def add_field_flag(parser: argparse.ArgumentParser, f: dataclasses.Field) -> Non
     else:
         value_type = {"int": int, "float": float}.get(f.type, str)
         kind = dict(type=value_type, metavar=f.name.upper(), choices=choices)
+        if f.metadata.get("bare") is not None:  # the flag alone means this value
+            kind.update(nargs="?", const=f.metadata["bare"])
     parser.add_argument(flag, default=None, help=f"{help_text} ({more})", **kind)
 
 

@@ -11,11 +11,13 @@ LOCAL_WORLD_SIZE of them, else 8.
 
 dry_run prints the config as JSON and memory/report.py's table of memory/plan.py's plan (with
 --calibration, the step projected from bench/gpu_check.py's measured rates; with --sweep, the
-lengths x GPU counts table). rehearse builds the run exactly as a run would (run/build.py) under
-a fake process group and fake tensors (memory/rehearsal.py) and runs two steps of train.py's own
-train_step, which train.py hands in with its optimizer (this file imports nothing from train.py,
-which runs as __main__); it prints the measured memory per phase and FLOPs next to the plan and
-writes OUT/rehearsal.json and OUT/memory_timeline.png. `cfg` is train.py's TrainConfig.
+lengths x GPU counts table; for local conversations, the data line the run's start prints,
+their rows rendered into the token cache the run then reads). rehearse builds the run exactly as
+a run would (run/build.py) under a fake process group and fake tensors (memory/rehearsal.py) and
+runs two steps of train.py's own train_step, which train.py hands in with its optimizer (this
+file imports nothing from train.py, which runs as __main__); it prints the measured memory per
+phase and FLOPs next to the plan and writes OUT/rehearsal.json and OUT/memory_timeline.png.
+`cfg` is run/train_config.py's TrainConfig.
 """
 
 from __future__ import annotations
@@ -92,11 +94,48 @@ def dry_run(cfg) -> None:
         print(f"layout written to {cfg.layout_out} (train.py --layout {cfg.layout_out})")
     for line in retrieval_time(cfg, mc, sp, dp, rates):
         print(line)
+    if about_rows := conversations_line(cfg, dp):
+        print("\n" + about_rows)
     if cfg.doc_len > 0:
         print("\n" + "\n".join(documents_projection(p, rates, cfg.doc_len)))
     print("\n" + "\n".join(lora_beside_full(cfg, mc, world, sp, dp, rates)))
     if cfg.sweep:
         print("\n" + format_sweep(p, sweep(p, rates)))
+
+
+DRY_RUN_RENDER_MB = 16  # local conversations up to this size are rendered by the dry run;
+# larger ones by the run's checks, so that a dry run stays a quick look
+
+
+def conversations_line(cfg, dp: int) -> str:
+    """For conversations or prompt-completion pairs, the data line the run's start prints
+    (run/console.py's describe_rows: rows read, the share of tokens the loss counts, what was
+    left out and why, the padding), rendered and cached by run/checks.py's check_conversations
+    exactly as the run's checks do, when the data is local, at most DRY_RUN_RENDER_MB and --model
+    is a directory with the tokenizer; else a line saying when it is reported; '' for text."""
+    from data.conversations import data_kind
+    from data.sources import is_hub_source, local_files
+    from run.checks import check_conversations
+    from run.console import describe_rows
+
+    kind = data_kind(cfg.data)
+    if kind == "text":
+        return ""
+    later = f"data: {kind}; the run's start reports the counted share and packing"
+    if not os.path.isdir(cfg.model):
+        return f"{later} (rendering needs --model, a directory with the tokenizer)"
+    if is_hub_source(cfg.data):
+        return f"{later} (a dry run streams no hub dataset)"
+    size_mb = sum(os.path.getsize(f) for f in local_files(cfg.data)[0]) / 1e6
+    if size_mb > DRY_RUN_RENDER_MB:
+        return f"{later} ({size_mb:,.0f} MB: more than a dry run renders, {DRY_RUN_RENDER_MB} MB)"
+    try:
+        rows = check_conversations(cfg, cfg.model, cfg.steps * cfg.grad_accum * dp)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as e:  # as run/checks.py's check_data says it: --data first
+        raise ConfigError(f"--data {cfg.data}: {e}") from None
+    return describe_rows(rows.meta)
 
 
 def lora_beside_full(cfg, mc, world: int, sp: int, dp: int, rates=None) -> list[str]:

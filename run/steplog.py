@@ -171,6 +171,7 @@ class StepLog:
             "skipped": result.skipped,
             "nonfinite_steps": self.guard.total,
             "no_counted_labels": result.tokens == 0,
+            **(getattr(result, "router", None) or {}),  # MoE: router loss, experts' load
         }
 
     def console_line(self, rec: dict, offloaded_bytes: int | None) -> str:

@@ -1,4 +1,5 @@
-"""The reference side of the tests: transformers' Qwen3ForCausalLM built from our Qwen3Config."""
+"""The reference side of the tests: transformers' Qwen3ForCausalLM (Qwen3MoeForCausalLM for a
+mixture of experts) built from our Qwen3Config."""
 
 import torch
 import torch.nn.functional as F
@@ -13,13 +14,16 @@ def hf_config(cfg: Qwen3Config) -> transformers.Qwen3Config:
         for k, v in cfg.to_hf().items()
         if k not in ("architectures", "model_type", "torch_dtype")
     }
+    if cfg.num_experts:
+        return transformers.Qwen3MoeConfig(**d)
     return transformers.Qwen3Config(**d)
 
 
 def hf_model(cfg: Qwen3Config, seed: int = 0) -> transformers.Qwen3ForCausalLM:
     """A randomly initialised reference model in fp32, eval mode, eager-free SDPA attention."""
     torch.manual_seed(seed)
-    m = transformers.Qwen3ForCausalLM(hf_config(cfg)).float().eval()
+    cls = transformers.Qwen3MoeForCausalLM if cfg.num_experts else transformers.Qwen3ForCausalLM
+    m = cls(hf_config(cfg)).float().eval()
     with torch.no_grad():  # norms start at 1: perturb them so a swapped norm would show
         for n, p in m.named_parameters():
             if n.endswith("norm.weight"):

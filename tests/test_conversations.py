@@ -509,3 +509,70 @@ def test_parquet_and_json_rows_read_as_the_jsonl(tmp_path):
         assert data_kind(path) == "conversations"
         got[name] = [r for _, r in iter_records(path, seed=1)]
     assert got["a.jsonl"] == got["b.json"] == got["c.parquet"]
+
+
+def test_hub_conversations_read_as_the_same_local_rows(tok_dir, tmp_path, monkeypatch):
+    """An hf: dataset of conversations (datasets' loader monkeypatched: nothing reaches the hub)
+    is conversational and packs into the same ids and mask as a .jsonl of the same rows, when
+    the stream's shuffle gives the rows in the order the local file's permutation visits them."""
+    import datasets
+    import huggingface_hub
+
+    from data import sources
+
+    rows = short(np.random.default_rng(7), 12)
+    path = write_jsonl(tmp_path / "chats.jsonl", rows)
+    order = np.random.default_rng(4).permutation(len(rows))
+
+    class FakeStream:
+        def shuffle(self, seed, buffer_size):
+            self.seed = seed
+            return self
+
+        def __iter__(self):
+            return iter([rows[i] for i in order] if self.seed == 4 else rows)
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: FakeStream())
+    monkeypatch.setattr(huggingface_hub.HfApi, "dataset_info", lambda self, repo_id, **kw: None)
+    sources.hub_problem.cache_clear()  # asked once per process: this test's hub answers
+    source = "hf:someone/chats-for-a-test:train"
+    assert data_kind(source) == "conversations"
+    opts = dict(cache_dir=str(tmp_path / "cache"), seed=4, progress=False)
+    hub = build_rows(source, tok_dir, 63, 3, **opts)
+    local = build_rows(path, tok_dir, 63, 3, **opts)
+    assert hub.meta["counted_labels"] > 0 and hub.path != local.path
+    assert (hub.tokens == local.tokens).all() and (hub.counted == local.counted).all()
+    sources.hub_problem.cache_clear()
+
+
+def test_dry_run_prints_the_starts_data_line(run_setup, tmp_path, capsys, monkeypatch):
+    """--dry-run on local conversations renders and packs them into the token cache as the run's
+    checks do and prints the data line the run's start prints: the run then reads that cache
+    (not built again) and its line is the dry run's; the counted labels are the cached mask's."""
+    import re
+
+    import train
+    from run.console import describe_rows
+
+    d, _ = run_setup
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    flags = chat_flags(d, tmp_path / "o", "--sp", "1", "--dry-run")
+    flags[flags.index("--cache-dir") + 1] = str(tmp_path / "cache")
+    train.main(flags)
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("data: ")]
+    cfg = train.parse_args(flags)
+    rows_needed = cfg.steps * cfg.grad_accum * 2  # dp 2
+    rows = build_rows(
+        str(d / "chats.jsonl"),
+        str(d / "model"),
+        T,
+        rows_needed,
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+    )
+    assert not rows.built and line == [describe_rows(rows.meta)]
+    print(line[0])
+    counted = int(re.search(r"the loss counts ([\d,]+) tokens", line[0])[1].replace(",", ""))
+    assert counted == int(rows.counted.sum()) > 0
+    assert f"into {rows_needed} rows of {T + 1} tokens" in line[0]

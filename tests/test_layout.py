@@ -105,6 +105,16 @@ def test_the_step_loop_fits_on_a_screen():
     assert body <= 60, f"train()'s step loop body is {body} lines"
 
 
+def test_train_step_is_near_the_top_of_train_py():
+    """A reader meets the step first: the flags live in run/train_config.py."""
+    step = next(
+        n
+        for n in ast.walk(parse("train.py"))
+        if isinstance(n, ast.FunctionDef) and n.name == "train_step"
+    )
+    assert step.lineno <= 200, f"train.py's train_step starts at line {step.lineno}"
+
+
 def test_bench_is_at_most_12_percent_of_the_product():
     bench = sum(code_lines(p) for p in python_files("bench"))
     total = sum(code_lines(p) for p in product_files())

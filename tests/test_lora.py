@@ -7,6 +7,7 @@ gradient. The adapter directory this file's save_adapter writes is loaded by PEF
 """
 
 import os
+from dataclasses import replace
 
 import peft
 import pytest
@@ -16,7 +17,14 @@ from hf_ref import hf_model, save_hf
 
 from model.checkpoint_offload import apply_offload
 from model.config import Qwen3Config
-from model.lora import LoraLinear, LoraSpec, add_lora, init_lora, merge_lora, save_adapter
+from model.lora import (
+    LoraLinear,
+    LoraSpec,
+    add_lora,
+    init_lora,
+    merge_lora,
+    save_adapter,
+)
 from model.qwen3 import Qwen3
 from model.tiled_mlp import set_mlp_tiling
 from model.weights import load_safetensors
@@ -25,11 +33,12 @@ CFG = Qwen3Config.preset("tiny")
 T = 40
 
 
-def _peft_pair(spec: LoraSpec, tmp_path, seed=0):
-    """(ours, PEFT's): the same base and the same random adapters (B non-zero)."""
-    ref = hf_model(CFG, seed=seed)
+def _peft_pair(spec: LoraSpec, tmp_path, seed=0, cfg=CFG, peft_targets=None):
+    """(ours, PEFT's): the same base and the same random adapters (B non-zero); PEFT given
+    spec's targets, or peft_targets."""
+    ref = hf_model(cfg, seed=seed)
     save_hf(ref, str(tmp_path))
-    ours = Qwen3(CFG)
+    ours = Qwen3(cfg)
     load_safetensors(ours, str(tmp_path), progress=False)
     add_lora(ours, spec)
     init_lora(ours, seed=seed)
@@ -42,7 +51,7 @@ def _peft_pair(spec: LoraSpec, tmp_path, seed=0):
         r=spec.rank,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
-        target_modules=list(spec.targets),
+        target_modules=list(peft_targets or spec.targets),
         modules_to_save=list(spec.train) or None,
         use_rslora=spec.rslora,
     )
@@ -145,3 +154,102 @@ def test_saved_adapter_loads_in_peft_and_merge_equals_it(tmp_path):
     assert diff <= 1e-5 and merged <= 1e-5
     assert not any(isinstance(m, LoraLinear) for m in ours.modules())
     assert all("lora_" not in k for k in ours.state_dict())
+
+
+@pytest.mark.parametrize("case", ["dense-layer-1", "all-sparse"])
+def test_moe_attention_adapters_match_peft_and_its_adapter_file(case, tmp_path):
+    """A mixture of experts against PEFT on transformers' Qwen3MoeForCausalLM, adapters on
+    q,k,v,o: equal logits and adapter gradients, router and experts frozen. Our router is an
+    nn.Linear named gate, so the "gate" target is added on our side: adapted, it would show as
+    an adapter PEFT lacks. (PEFT 0.21 takes gate_proj/up_proj/down_proj on this model for the
+    experts' stacked tensors, so a dense layer's MLP adapters have no PEFT reference here.)
+    The adapter directory save_adapter writes loads in PEFT with our logits."""
+    from test_moe import MOE
+
+    from model.moe import SparseMoeBlock
+
+    cfg = MOE if case == "dense-layer-1" else replace(MOE, mlp_only_layers=())
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    spec = LoraSpec(rank=4, alpha=12.0, targets=(*attention, "gate"))
+    ours, theirs = _peft_pair(spec, tmp_path, cfg=cfg, peft_targets=attention)
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(2))
+    theirs.train()
+    ours.train()
+    mine, ref = ours.logits(ids), theirs(ids).logits
+    diff = (mine - ref).abs().max().item()
+    _loss(mine, ids).backward()
+    _loss(ref, ids).backward()
+    got, want = _adapter_grads(ours), _adapter_grads(theirs, "base_model.model.")
+    assert sorted(got) == sorted(want)
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    print(f"{case}: logits {diff:.2e}, adapter grads {worst:.2e}")
+    assert diff <= 1e-5 and worst <= 1e-5
+    blocks = [m for m in ours.modules() if isinstance(m, SparseMoeBlock)]
+    assert len(blocks) == cfg.sparse_layers
+    for block in blocks:
+        assert not isinstance(block.gate, LoraLinear)
+        assert all(not p.requires_grad and p.grad is None for p in block.parameters())
+    if case == "all-sparse":  # Qwen3-30B-A3B's shape: the file PEFT loads is exact
+        ours.eval()  # saved under the default targets, gate_proj/up_proj/down_proj among them
+        save_adapter(ours, LoraSpec(rank=4, alpha=12.0), str(tmp_path / "adapter"))
+        base = hf_model(cfg, seed=0)
+        loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        assert not [n for n, _ in loaded.named_parameters() if "experts" in n and "lora" in n]
+        with torch.no_grad():
+            assert (ours.logits(ids) - loaded(ids).logits).abs().max().item() <= 1e-5
+
+
+def test_moe_default_targets_adapt_attention_and_dense_mlps(tmp_path):
+    """The default targets on a mixture of experts with one dense layer: adapters on every
+    attention projection and on the dense layer's three MLP linears, nothing on the experts or
+    the router, which get no gradient; the planner counts the trainable elements it holds."""
+    from test_moe import MOE
+
+    from memory.model_size import fsdp_units
+    from model.moe import SparseMoeBlock
+
+    model = Qwen3(MOE)
+    spec = LoraSpec(rank=4)
+    add_lora(model, spec)
+    adapted = sorted(n for n, m in model.named_modules() if isinstance(m, LoraLinear))
+    dense = [i for i in range(MOE.num_hidden_layers) if not MOE.is_sparse_layer(i)]
+    assert dense == [1]
+    assert len(adapted) == 4 * MOE.num_hidden_layers + 3 * len(dense)
+    assert [n for n in adapted if ".mlp." in n] == [
+        f"model.layers.1.mlp.{p}" for p in ("down_proj", "gate_proj", "up_proj")
+    ]
+    init_lora(model)
+    ids = torch.randint(0, MOE.vocab_size, (1, T), generator=torch.Generator().manual_seed(4))
+    _loss(model.logits(ids), ids).backward()
+    for block in (m for m in model.modules() if isinstance(m, SparseMoeBlock)):
+        assert all(not p.requires_grad and p.grad is None for p in block.parameters())
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert fsdp_units(MOE, 1, 4, spec).trainable_shards == 4 * trainable
+
+
+def test_moe_lora_flags_refused_and_said(tmp_path):
+    """On a model whose every MLP is a mixture of experts, --lora-targets naming gate/up/down
+    is one line; the default targets pass and the run's first lines say what is adapted."""
+    from test_moe import MOE
+
+    import train
+    from model.config import ConfigError
+    from run.adapter import check_lora, lora_note
+
+    sparse = replace(MOE, mlp_only_layers=())
+    default = train.parse_args(["--lora-rank", "4"])
+    check_lora(default, sparse)
+    assert lora_note(default, sparse) == (
+        "LoRA: adapters on q,k,v,o in every layer; the experts and the router of the 3 "
+        "mixture-of-experts layers are not adapted (frozen)"
+    )
+    assert lora_note(default, MOE).startswith(
+        "LoRA: adapters on q,k,v,o in every layer and gate,up,down in the 1 dense layer;"
+    )
+    assert lora_note(default, CFG) is None
+    for targets in ("q,gate", "up,down"):
+        cfg = train.parse_args(["--lora-rank", "4", "--lora-targets", targets])
+        check_lora(cfg, MOE)  # a dense layer to adapt
+        with pytest.raises(ConfigError, match="every MLP of this model is a mixture of experts"):
+            check_lora(cfg, sparse)

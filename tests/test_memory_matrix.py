@@ -95,6 +95,10 @@ def layers(*where: str) -> dict:
 # every kind at once: inputs on both, attention on the host, the device and recomputed
 MIXED = layers("host/recompute", "host/host", "device/host", "device/device")
 DEEP_8B = replace(LIKE_8B, num_hidden_layers=4)
+# a mixture of experts (model/moe.py): 8 experts, top 2, Qwen3-30B-A3B's expert width / hidden
+MOE = replace(
+    LIKE_8B, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True
+)
 
 # name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk
 #        [, RMSNorm chunk][, SAVE])
@@ -155,6 +159,18 @@ MATRIX = {
         256,
         128,
         layers("device/recompute", "host/device", "host/host", "device/device"),
+    ),
+    "sp2 moe tiled": (MOE, 2, 2, 4096, "float32", True, 1024, 128),
+    "dp2 x sp2 moe save attention cpu offload": (
+        MOE,
+        4,
+        2,
+        4096,
+        "float32",
+        True,
+        0,
+        128,
+        {**SAVE, **CPU_OFF},
     ),
     "dp2 x sp2 4 layers mixed cpu offload": (
         DEEP,

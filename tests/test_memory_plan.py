@@ -18,7 +18,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from memory.buffers import Buffer, layer_saved_bytes
+from memory.buffers import Buffer, layer_backward_moments, layer_saved_bytes
 from memory.choices import max_seq_len, plan_for_run
 from memory.layouts import choose_layout
 from memory.model_size import param_shapes, shard_numel
@@ -26,11 +26,19 @@ from memory.plan import GB, GiB, plan
 from memory.report import format_plan, plan_to_dict
 from model.config import Qwen3Config
 from model.host_pool import host_bytes_for
+from model.lora import LoraSpec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN3_8B = Qwen3Config.preset("qwen3-8b")
 T_1M = 1_048_576
 
+# every linear layer of the decoder adapted, with dropout on the adapters' input, and q and v
+# alone (the frozen o_proj and MLP then keep none of their inputs)
+LORAS = {
+    "lora": LoraSpec(rank=8),
+    "lora dropout": LoraSpec(rank=8, dropout=0.1),
+    "lora q, v": LoraSpec(rank=8, targets=("q_proj", "v_proj")),
+}
 TINY = Qwen3Config.preset("tiny")  # untied, GQA 2, head_dim 32 != 64 / 4
 CONFIGS = {
     "tiny": TINY,
@@ -123,12 +131,14 @@ def test_state_bytes_equal_allocated_one_gpu(name):
 def _fake_world(world: int) -> dict:
     """In a spawned process: one rank of a fake `world`-rank group (collectives do nothing, shapes
     are real). Returns rank 0's FSDP2 state bytes and the bytes one decoder layer saves for
-    backward under Ulysses attention at several sp."""
+    backward under Ulysses attention at several sp, also with LoRA adapters (in bf16, as FSDP2's
+    param_dtype gathers them)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from model.lora import add_lora
     from model.qwen3 import DecoderLayer, Qwen3, rope_cos_sin
     from model.ulysses import UlyssesAttention
 
@@ -146,10 +156,14 @@ def _fake_world(world: int) -> dict:
             out["fsdp"][name] = _state_bytes(model, _one_step(model, cfg.vocab_size))
 
         groups = {1: None, 2: dist.new_group([0, 1]), world: dist.group.WORLD}
-        for name in ("tiny", "tied"):  # 4 query heads; kv heads 2 (repeated at sp=4) and 4
+        # 4 query heads; kv heads 2 (repeated at sp=4) and 4; LoRA on every linear layer
+        for name, lora in [("tiny", None), ("tied", None), *(("tiny", k) for k in LORAS)]:
             cfg, t = CONFIGS[name], 96
             for sp, group in groups.items():
-                layer = DecoderLayer(cfg).to(torch.bfloat16)
+                layer = DecoderLayer(cfg)
+                if lora is not None:
+                    add_lora(layer, LORAS[lora])
+                layer = layer.to(torch.bfloat16)
                 if group is not None:
                     layer.self_attn.attn_fn = UlyssesAttention(group)
                 x = torch.randn(1, t, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
@@ -165,7 +179,7 @@ def _fake_world(world: int) -> dict:
 
                 with torch.autograd.graph.saved_tensors_hooks(pack, lambda a: a):
                     layer(x, cos, sin)
-                out["saved"][f"{name}/{sp}"] = sum(seen.values())
+                out["saved"][f"{name}/{sp} {lora or ''}".strip()] = sum(seen.values())
         return out
     finally:
         dist.destroy_process_group()
@@ -202,15 +216,23 @@ def test_state_bytes_equal_fsdp2_shards(fake_world, name):
         assert shard_numel((301, 50), 4) == 76 * 50
 
 
-@pytest.mark.parametrize("key", ["tiny/1", "tiny/2", "tiny/4", "tied/1", "tied/2", "tied/4"])
+SAVED_KEYS = ["tiny/1", "tiny/2", "tiny/4", "tied/1", "tied/2", "tied/4"]
+SAVED_KEYS += ["tiny/1 lora", "tiny/4 lora", "tiny/2 lora dropout", "tiny/2 lora q, v"]
+
+
+@pytest.mark.parametrize("key", SAVED_KEYS)
 def test_layer_saved_bytes_equal_autograd(fake_world, key):
     """What model/qwen3.py's DecoderLayer (Ulysses attention for sp > 1) saves, byte for byte.
 
-    Its RMSNorm is the fused kind, the planner's default; the unfused one would save more."""
-    name, sp = key.split("/")
-    want = layer_saved_bytes(CONFIGS[name], 96, int(sp), tiled_mlp=False)
+    Its RMSNorm is the fused kind, the planner's default; the unfused one would save more. With
+    LoRA the frozen weights save nothing and each adapter saves its x A^T [t, rank]."""
+    name, sp = key.split(" ")[0].split("/")
+    lora = LORAS.get(key.partition(" ")[2])
+    want = layer_saved_bytes(CONFIGS[name], 96, int(sp), tiled_mlp=False, lora=lora, device="cpu")
     assert sum(want.values()) == fake_world["saved"][key]
-    unfused = layer_saved_bytes(CONFIGS[name], 96, int(sp), tiled_mlp=False, fused_norm=False)
+    unfused = layer_saved_bytes(
+        CONFIGS[name], 96, int(sp), tiled_mlp=False, fused_norm=False, lora=lora
+    )
     assert sum(unfused.values()) > fake_world["saved"][key]
 
 
@@ -790,3 +812,53 @@ def test_attention_past_2_31_elements_is_flagged_unverified():
     # planned before train.py's probe (auto): what flash would add is said; a pinned kernel: not
     assert "should it fail train.py's probe" in _cli("--seq-len", str(T_1M)).stdout
     assert "should it fail" not in _cli("--seq-len", str(T_1M), "--attn-backend", "cudnn").stdout
+
+
+@pytest.mark.parametrize(
+    ("hidden", "intermediate", "dtype"),
+    # the experts wider than the hidden size (autograd through the experts is the tile's peak),
+    # and narrower (the routing weights' fp32 gradient temporaries are), in fp32 and bf16
+    [(64, 768, torch.float32), (64, 768, torch.bfloat16), (256, 96, torch.bfloat16)],
+)
+def test_moe_backward_terms_equal_the_meter(hidden, intermediate, dtype):
+    """model/moe.py's backward on one block, measured by the CPU meter, against the MoE terms of
+    layer_backward_moments' "MLP backward": the routing, one tile, the accumulators, the input
+    gradient and the experts' stacked gradients. The planner spreads an expert's pairs evenly;
+    real routing is uneven, so the plan is taken at the tokens whose even spread is the busiest
+    expert's pairs (the tile that makes the peak)."""
+    from memory.meter import StepMeter
+    from model.moe import SparseMoeBlock, route
+
+    experts, top_k, tokens = 4, 2, 2048
+    torch.manual_seed(0)
+    block = SparseMoeBlock(hidden, intermediate, experts, top_k, True).to(dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, tokens, hidden, dtype=dtype, requires_grad=True)
+    y = block(x)
+    dy = torch.randn_like(y)
+    meter = StepMeter(torch.device("cpu"), model=block, baseline=[x, y, dy])
+    with meter:
+        y.backward(dy)
+    with torch.no_grad():
+        chosen = route(x.reshape(-1, hidden), block.gate.weight, top_k, True)[1]
+    busiest = int(torch.bincount(chosen.reshape(-1), minlength=experts).max())
+    config = replace(
+        TINY,
+        hidden_size=hidden,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=intermediate,
+    )
+    b = torch.finfo(dtype).bits // 8
+    at_busiest, at_tokens = (
+        layer_backward_moments(config, t, 1, mlp_tile=block.tile, compute_bytes=b, device="cpu")[
+            "MLP backward"
+        ]
+        for t in (-(-busiest * experts // top_k), tokens)
+    )
+    planned = at_busiest[Buffer.MOE_TILE] + at_busiest[Buffer.MOE_WEIGHT_GRAD_ACC]
+    # the routing, the input-gradient buffer and the experts' stacked gradients: every token's
+    terms = (Buffer.MOE_ROUTING, Buffer.MLP_INPUT_GRAD_BUFFER, Buffer.LAYER_GRADS)
+    planned += sum(at_tokens[k] for k in terms)
+    assert meter.peak_bytes - meter.start_bytes == pytest.approx(planned, rel=0.01)

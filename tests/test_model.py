@@ -189,12 +189,13 @@ def test_bad_paths_and_configs(tmp_path):
         "num_attention_heads": 2,
     }
     (tmp_path / "config.json").write_text(json.dumps(llama))
-    with pytest.raises(ValueError, match="not a dense Qwen3"):
+    with pytest.raises(ValueError, match="is not a Qwen3"):
         Qwen3Config.from_hf(str(tmp_path))
     base = {**VARIANTS["untied-gqa2"].to_hf()}
     for bad, match in (
         (dict(use_sliding_window=True), "sliding-window"),
-        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "not a dense"),
+        (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "num_experts"),
+        (dict(model_type="qwen3_moe"), "is not a Qwen3"),  # a dense class for MoE
         (dict(num_experts=8), "mixture-of-experts"),
         (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE type 'dynamic'"),
         (dict(num_key_value_heads=3), "multiple of"),

@@ -1,6 +1,6 @@
 """The memory planner against the rehearsal of the real step, at real Qwen3 shapes.
 
-    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: about 85 s on 2 cores
+    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: about 145 s on 2 cores
     pytest tests/test_rehearsal_shapes.py -s --full-depth -k "full and recipe"  # 36 layers
 
 `train.py --rehearse` (memory/rehearsal.py) runs two real steps of a run on fake tensors with a
@@ -8,7 +8,7 @@ fake process group of the run's world size and writes OUT/rehearsal.json: the li
 meter counted at each step's peak and the FLOPs of step 1, next to memory/plan.py's figures for
 the same run. The planner is arithmetic over the shapes written by hand; the rehearsal is the
 code itself running (FSDP2, Ulysses, the offload pool, the chunked loss, AdamW), so each is the
-other's reference. For each shape below, within 3%:
+other's reference. For each shape below, within 3% (LoRA's and MoE's within 1%):
   - step 2's peak (AdamW's states exist) against the plan's peak,
   - step 1's peak against the plan's first step (AdamW makes its states after the peak),
   - step 2's peak within the loss phase and within the layers' backward, each against the
@@ -49,7 +49,18 @@ SHAPES = {
     # the layout the chooser takes for 32B at 1M (some inputs on the GPU, attention on both, the
     # fp32 state on the host), as a --layout file: at 2 layers one host layer and one GPU layer
     "32b mixed layout": ("qwen3-32b", 8, ["--layout", "{layout}"]),
+    # a mixture of experts (128 experts, 8 per token, sharded 16 per rank): its fp32 state
+    # needs the host, which the layout chooser finds
+    "30b-a3b at 1M": ("qwen3-30b-a3b", 8, []),
+    # LoRA (model/lora.py) on every linear layer, the base frozen in bf16: a frozen embedding
+    # keeps layer 0's input on the device, the tiled MLP runs the adapters in its tiles
+    "8b lora": ("qwen3-8b", 8, ["--lora-rank", "16"]),
+    "32b lora": ("qwen3-32b", 8, ["--lora-rank", "16"]),
+    # the embedding and every norm train too: their fp32 masters, gradients and AdamW states
+    "8b lora embed, norm": ("qwen3-8b", 8, ["--lora-rank", "16", "--lora-train", "embed,norm"]),
 }
+# LoRA's shapes and the mixture of experts' are held to 1%; the others to TOLERANCE
+LORA_TOLERANCE = 0.01
 # the layers of a "{layout}" file at 2 layers (at full depth, the dry run's own choice)
 MIXED_LAYERS = [{"input": "host", "attention": "host"}, {"input": "device", "attention": "device"}]
 # depth: (decoder layers, None: the preset's own; flags on top of the shape's). A rehearsal's time
@@ -71,8 +82,20 @@ DEPTH_PARAMS = {
 # 8 ranks, as dp 2 x sp 4 at 1M: at 2 layers both rehearse to 37.073 GB (and plan to 37.067), so
 # the default suite runs the one with a dp group and leaves the other to --full-depth.
 SAME_AS_ANOTHER = {("8b at 2M", "few layers")}
+# LoRA with the embedding and norms training adds to "8b lora" only the trained tensors' state
+# (measured at 2 layers: every check within 0.01%, FLOPs -0.3%); its 35 s run only with
+# --full-depth.
+# 128 experts' tiles take 45 s to 2 minutes of CPU even at 2 layers (measured: both peaks +0.02%
+# against the plan, held to 1% with LoRA's); the MoE layouts of tests/test_memory_matrix.py
+# rehearse to the byte in the default suite.
+WITH_FULL_DEPTH = {("8b lora embed, norm", "few layers"), ("30b-a3b at 1M", "few layers")}
 CASES = [
-    pytest.param(depth, shape, marks=mark, id=f"{depth}-{shape}")
+    pytest.param(
+        depth,
+        shape,
+        marks=[mark, pytest.mark.full_depth] if (shape, depth) in WITH_FULL_DEPTH else mark,
+        id=f"{depth}-{shape}",
+    )
     for depth, mark in DEPTH_PARAMS.items()
     for shape in SHAPES
     if (shape, depth) not in SAME_AS_ANOTHER
@@ -149,11 +172,15 @@ def rehearsals(tmp_path_factory):
 
 @pytest.mark.parametrize("check", list(CHECKS))
 @pytest.mark.parametrize(("depth", "shape"), CASES)
-def test_the_plan_is_within_3_percent_of_the_rehearsal(depth, shape, check, rehearsals):
-    """rehearsal.json's measured figure against the planned one, within TOLERANCE."""
+def test_the_plan_agrees_with_the_rehearsal(depth, shape, check, rehearsals):
+    """rehearsal.json's measured figure against the planned one, within TOLERANCE (LoRA and
+    MoE: LORA_TOLERANCE)."""
     record = rehearsals(shape, depth)
     rehearsed_at, planned_at = CHECKS[check]
     rehearsed, planned = at(record, rehearsed_at), at(record, planned_at)
     deviation = rehearsed / planned - 1
     print(f"{shape}, {check}: rehearsed {rehearsed:.6g}, planned {planned:.6g}, {deviation:+.2%}")
-    assert abs(deviation) <= TOLERANCE, (shape, check, rehearsed, planned, f"{deviation:+.2%}")
+    preset, _, flags = SHAPES[shape]
+    tight = "--lora-rank" in flags or PRESETS[preset].num_experts
+    tolerance = LORA_TOLERANCE if tight else TOLERANCE
+    assert abs(deviation) <= tolerance, (shape, check, rehearsed, planned, f"{deviation:+.2%}")

@@ -95,13 +95,8 @@ def files(tmp_path_factory):
     np.save(d / "floats.npy", np.zeros((4, 33), dtype=np.float32))
     for name, text in {
         "badjson": '{"vocab_size": 97,',
-        "moe": json.dumps(
-            {
-                **CFG.to_hf(),
-                "model_type": "qwen3_moe",
-                "architectures": ["Qwen3MoeForCausalLM"],
-                "num_experts": 8,
-            }
+        "llm": json.dumps(  # another architecture's config
+            {**CFG.to_hf(), "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
         ),
     }.items():
         (d / name).mkdir()
@@ -159,8 +154,8 @@ def _cases(d):
             [str(d / "badjson" / "config.json"), "not valid JSON", "restore"],
         ),
         (
-            ["--model", str(d / "moe"), "--data", f"tokens:{d / 'tokens.npy'}", "--seq-len", "32"],
-            [str(d / "moe" / "config.json"), "not a dense Qwen3", "Qwen/Qwen3-8B"],
+            ["--model", str(d / "llm"), "--data", f"tokens:{d / 'tokens.npy'}", "--seq-len", "32"],
+            [str(d / "llm" / "config.json"), "is not a Qwen3", "Qwen/Qwen3-8B"],
         ),
         (
             ["--model", str(d / "noweights"), "--data", f"tokens:{d / 'tokens.npy'}"],
@@ -210,7 +205,7 @@ def test_torchrun_sh_checks_once_and_prints_one_line(files):
     p = run(
         [
             "--model",
-            str(files / "moe"),
+            str(files / "llm"),
             "--data",
             f"tokens:{files / 'tokens.npy'}",
             "--loss-on",
@@ -220,7 +215,7 @@ def test_torchrun_sh_checks_once_and_prints_one_line(files):
         launcher="torchrun.sh",
     )
     errors = [x for x in p.stderr.splitlines() if x.startswith("error")]
-    assert p.returncode == 2 and len(errors) == 1 and "not a dense Qwen3" in errors[0], p.stderr[
+    assert p.returncode == 2 and len(errors) == 1 and "is not a Qwen3" in errors[0], p.stderr[
         -3000:
     ]
     assert "torch.distributed" not in p.stderr and "Traceback" not in p.stderr
@@ -228,8 +223,8 @@ def test_torchrun_sh_checks_once_and_prints_one_line(files):
 
 
 def test_config_refusals_are_config_errors_naming_the_file(files, tmp_path):
-    with pytest.raises(ConfigError, match="not a dense Qwen3"):
-        Qwen3Config.from_hf(str(files / "moe"))
+    with pytest.raises(ConfigError, match="is not a Qwen3"):
+        Qwen3Config.from_hf(str(files / "llm"))
     with pytest.raises(ConfigError, match=f"{files / 'badjson' / 'config.json'} is not valid JSON"):
         Qwen3Config.from_hf(str(files / "badjson"))
     (tmp_path / "config.json").write_text(json.dumps({**CFG.to_hf(), "num_key_value_heads": 3}))
