@@ -1,6 +1,6 @@
 """The memory planner against the rehearsal of the real step, at real Qwen3 shapes.
 
-    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: about 145 s on 2 cores
+    pytest tests/test_rehearsal_shapes.py -s    # 2 layers, marked slow: about 70 s on 2 cores
     pytest tests/test_rehearsal_shapes.py -s --full-depth -k "full and recipe"  # 36 layers
 
 `train.py --rehearse` (memory/rehearsal.py) runs two real steps of a run on fake tensors with a
@@ -88,7 +88,20 @@ SAME_AS_ANOTHER = {("8b at 2M", "few layers")}
 # 128 experts' tiles take 45 s to 2 minutes of CPU even at 2 layers (measured: both peaks +0.02%
 # against the plan, held to 1% with LoRA's); the MoE layouts of tests/test_memory_matrix.py
 # rehearse to the byte in the default suite.
-WITH_FULL_DEPTH = {("8b lora embed, norm", "few layers"), ("30b-a3b at 1M", "few layers")}
+# Four more few-layer shapes run only with --full-depth, each covered in the default suite by
+# another that takes the same code path (they passed at 2 layers when moved; together they took
+# 57 s of the suite on 2 cores): "8b sp4" by "8b dp2 x sp4" (262,144 tokens per rank
+# both, plus a dp group), "32b at 1M" by "32b mixed layout" (32B's shapes, a layout on top),
+# "32b lora" by "8b lora" (the same adapters), "8b cpu offload" by "32b mixed layout" (the fp32
+# state on the host) and by the CPU-offload layouts of tests/test_memory_matrix.py.
+WITH_FULL_DEPTH = {
+    ("8b lora embed, norm", "few layers"),
+    ("30b-a3b at 1M", "few layers"),
+    ("8b sp4", "few layers"),
+    ("32b at 1M", "few layers"),
+    ("32b lora", "few layers"),
+    ("8b cpu offload", "few layers"),
+}
 CASES = [
     pytest.param(
         depth,
