@@ -386,7 +386,8 @@ def test_format_and_dict():
     assert d["state"]["params"] == p.state.params and d["max_seq_len"] > T_1M and d["fits"]
 
 
-def _cli(*args):
+def _cli_process(*args):
+    """`python -m memory.report ARGS` in a new process."""
     return subprocess.run(
         [sys.executable, "-m", "memory.report", *args],
         cwd=ROOT,
@@ -396,8 +397,25 @@ def _cli(*args):
     )
 
 
+def _cli(*args):
+    """memory/report.py's main(ARGS) in this process, its output and exit code as
+    _cli_process's (a new process pays torch's import, 3.5 s here, for each of a dozen calls)."""
+    import contextlib
+    import io
+
+    from memory.report import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's errors: exit 2 after one line on stderr
+            code = e.code
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_cli_table_json_errors(tmp_path):
-    r = _cli("--model", "qwen3-8b", "--seq-len", "1048576", "--gpus", "8", "--sp", "8")
+    r = _cli_process("--model", "qwen3-8b", "--seq-len", "1048576", "--gpus", "8", "--sp", "8")
     assert r.returncode == 0, r.stderr
     assert (
         "peak = held + max" in r.stdout and "public recipe" in r.stdout and "1.521e+18" in r.stdout
