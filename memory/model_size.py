@@ -178,6 +178,19 @@ def fsdp_units(
     )
 
 
+def _matmul_params_per_token(c: Qwen3Config) -> int:
+    """Matrix-product parameters one token meets in all decoder layers: the sum of
+    _active_matmul_params, counted once per kind of layer (dense, sparse), not once per layer (the
+    layout chooser plans ~500 layouts of a 64-layer model)."""
+    sparse = [i for i in range(c.num_hidden_layers) if c.is_sparse_layer(i)]
+    dense = [i for i in range(c.num_hidden_layers) if not c.is_sparse_layer(i)]
+    total = 0
+    for layers in (dense, sparse):
+        if layers:
+            total += len(layers) * _active_matmul_params(c, layers[0])
+    return total
+
+
 def _active_matmul_params(c: Qwen3Config, i: int) -> int:
     """Matrix-product parameters one token meets in layer i: every 2-D weight of a dense layer;
     in a sparse one the router and its top-k experts, not all of them."""
@@ -221,7 +234,7 @@ def step_flops(
     recompute, and a 2x backward) are added to the dense ones.
     """
     c, T = config, seq_len
-    dense = 2.0 * sum(_active_matmul_params(c, i) for i in range(c.num_hidden_layers)) * T
+    dense = 2.0 * _matmul_params_per_token(c) * T
     lm_head = 2.0 * c.vocab_size * c.hidden_size * T
     square = attention_square(T, doc_len)  # T^2 for one sequence
     attn = c.num_hidden_layers * 2 * (2.0 * square / 2) * c.num_attention_heads * c.head_dim
