@@ -244,16 +244,19 @@ def _moe_rows(c: Qwen3Config, tokens: int, tile: int) -> int:
     """Rows of one expert's tile: its share of the tokens x top_k pairs at an even spread over
     the experts, at most the tile. A load-balanced router spreads them so; the experts' load
     in each step's record (router_loss's) says by how much a real one does not."""
-    even = -(-tokens * c.num_experts_per_tok // c.num_experts)
-    return min(tile or MOE_TILE, even)
+    return min(tile or MOE_TILE, _moe_even_pairs(c, tokens))
+
+
+def _moe_even_pairs(c: Qwen3Config, tokens: int) -> int:
+    """One expert's token-expert pairs when the tokens x top_k pairs spread evenly (rounded up)."""
+    return -(-tokens * c.num_experts_per_tok // c.num_experts)
 
 
 def _moe_accumulators(c: Qwen3Config, tokens: int, tile: int) -> int:
     """The fp32 weight-gradient accumulators of the expert in the loop (3 x H x I, 4 bytes):
     live through a tile only when that expert's pairs take more than one tile; the first tile's
     upcast gradients are _moe_tile's."""
-    even = -(-tokens * c.num_experts_per_tok // c.num_experts)
-    several = even > (tile or MOE_TILE)
+    several = _moe_even_pairs(c, tokens) > (tile or MOE_TILE)
     return 3 * c.hidden_size * c.moe_intermediate_size * 4 if several else 0
 
 

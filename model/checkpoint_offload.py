@@ -230,13 +230,13 @@ class _OffloadedForward:
         # nothing of this layer's in the pool: its recompute starts the nearest earlier one's
         prefetch = pool.prefetcher() if pool is not None and not place.on_host else None
         mlp = getattr(self.layer, "mlp", None)
-        is_moe = hasattr(mlp, "skipping")  # a MoE block (model/moe.py) skips in any recompute
-        if self.tiled_mlp and not is_moe:
-            from model.tiled_mlp import mlp_tiling  # only here: a flat copy need not tile
+        if not hasattr(mlp, "skipping"):  # a MoE block (model/moe.py) skips in any recompute
+            if self.tiled_mlp:
+                from model.tiled_mlp import mlp_tiling  # only here: a flat copy need not tile
 
-            mlp = mlp_tiling(mlp)
-        elif not is_moe:
-            mlp = None
+                mlp = mlp_tiling(mlp)
+            else:
+                mlp = None
         attention = getattr(self.layer, "self_attn", None)
         body = LayerReplay(self.body, attention=attention, store=store, mlp=mlp, prefetch=prefetch)
         if prefetch is not None or pool is None:
