@@ -462,22 +462,21 @@ def _layer_tensors(c: Qwen3Config, seq_len: int, sp: int, o: Options) -> tuple[i
 def _kept(c: Qwen3Config, seq_len: int, sp: int, o: Options, placements) -> tuple[_Kept, ...]:
     """Each layer's _Kept under its placement, layer 0 first."""
     x, out, lse = _layer_tensors(c, seq_len, sp, o)
-    kept = []
-    for p in placements:
+    documents = documents_state_bytes(seq_len, o.doc_len, o.device)
+    of_placement = {}  # a layout has at most 6 kinds of placement: each is worked out once
+    for p in set(placements):
         attention = [] if p.attention == "recompute" else [out, lse]
         host_input = x if p.input == "host" and _pool_takes(o, x) else 0
         moved = [n for n in attention if p.attention == "host" and _pool_takes(o, n)]
-        kept.append(
-            _Kept(
-                device_input=x - host_input,
-                device_attention=sum(attention) - sum(moved),
-                device_documents=documents_state_bytes(seq_len, o.doc_len, o.device),
-                host_input=host_input,
-                host_attention=sum(moved),
-                in_pool=p.on_host,
-            )
+        of_placement[p] = _Kept(
+            device_input=x - host_input,
+            device_attention=sum(attention) - sum(moved),
+            device_documents=documents,
+            host_input=host_input,
+            host_attention=sum(moved),
+            in_pool=p.on_host,
         )
-    return tuple(kept)
+    return tuple(of_placement[p] for p in placements)
 
 
 def _backward_layers(kept: tuple[_Kept, ...]) -> list[int]:
