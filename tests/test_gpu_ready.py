@@ -16,23 +16,24 @@ from model.parallel import GROUP_TIMEOUT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Runs train.py as __main__ (a dry run: no process group) with an import hook that notes the
-# allocator setting at the moment torch is first imported; CUDA cannot initialise before that.
+# Runs train.py as __main__ (a dry run) with an import hook that prints the allocator setting at
+# the moment torch is first imported (CUDA cannot initialise before that) and ends the process
+# there: what comes after cannot change it, and importing torch is most of a second's work.
 WATCH_TORCH_IMPORT = r"""
 import importlib.abc, os, runpy, sys
-seen = []
 class Watch(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "torch" and not seen:
-            seen.append(os.environ.get("PYTORCH_ALLOC_CONF"))
+        if name == "torch":
+            sys.__stdout__.write(f"at torch import: {os.environ.get('PYTORCH_ALLOC_CONF')}\n")
+            sys.__stdout__.flush()
+            os._exit(0)
         return None
 sys.meta_path.insert(0, Watch())
 sys.argv = ["train.py", "--preset", "demo", "--dry-run"]
 with open(os.devnull, "w") as quiet:
     sys.stdout = quiet
     runpy.run_path("train.py", run_name="__main__")
-sys.stdout = sys.__stdout__
-print("at torch import:", seen[0])
+print("torch was never imported")
 """
 
 
