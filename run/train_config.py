@@ -262,16 +262,18 @@ PRESETS = {  # name: (its line in -h, its fields)
             eos_token="<|endoftext|>",
         ),
     ),  # the base model's document separator, not chat's <|im_end|>
-    # sp=2: every predictable label's answer is on the other rank. The plateau at ln 64 ends at
-    # step ~150 for seed 1 (2 processes); some seeds take 400+ steps, and a decaying rate can keep
-    # it there: constant 5e-3.
+    # sp=2: every predictable label's answer is on the other rank. The loss sits at ln 64 until
+    # attention finds the offset. Two rows a step make that certain: at a constant 5e-3 it falls
+    # under a third at steps 175-189 over seeds 0-4 (one process), where one row a step took
+    # 196-248 steps on four seeds and never came on seed 0 within 400.
     "demo": (
-        "CPU: a 2-layer Qwen3 from scratch learns to copy across sp shards (400 steps)",
+        "CPU: a 2-layer Qwen3 from scratch learns to copy across sp shards (300 steps of 2 rows)",
         dict(
             model="demo",
             data="synthetic:repeat",
             seq_len=512,
-            steps=400,
+            steps=300,
+            grad_accum=2,
             sp=0,
             lr=5e-3,
             warmup_steps=0,

@@ -268,7 +268,7 @@ def test_demo_learns_across_shards(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,  # 33 s on an idle 2-core CPU, minutes on a busy one; it catches a hang
+        timeout=1800,  # 86 s on a 2-core CPU, minutes on a busy one; it catches a hang
     )
     assert p.returncode == 0, p.stderr[-3000:]
     m = metrics(tmp_path / "demo")
@@ -277,11 +277,11 @@ def test_demo_learns_across_shards(tmp_path):
         m[-1]["loss"],
     )  # --loss-on predictable: the loss is the repeated half's
     print(f"demo predictable loss {first:.3f} -> {last:.4f} in {len(m)} steps")
-    # under a third from step 219 of 400 (the preset's seed 1, 1 thread); seeds 2-4: 196-248;
-    # seed 0: not within 400 (the demo preset, not this test, would need a surer rate)
-    assert len(m) == 400 and last < first / 3, p.stdout[-2000:]
+    # under a third from step 188 of 300 (the preset's seed 1, 1 thread); seeds 0-4 at 172-188
+    # with 1 thread and 2 (docs/tests.md): the cap is 1.6 times the latest seed's need
+    assert len(m) == 300 and last < first / 3, p.stdout[-2000:]
     assert (
-        f"loss on the predictable labels: {first:.4f} at step 1 -> {last:.4f} at step 400"
+        f"loss on the predictable labels: {first:.4f} at step 1 -> {last:.4f} at step 300"
         in p.stdout
     )
     # a from-scratch init on a 2-rank CPU mesh runs no DTensor random op (model/seeded_init.py)
@@ -296,7 +296,7 @@ def test_demo_learns_across_shards(tmp_path):
             [(b[0], b[1], round(b[2], 4)) for b in r["loss_by_position"]],
         )
     ln64 = np.log(64)
-    assert (before["step"], after["step"]) == (0, 400)
+    assert (before["step"], after["step"]) == (0, 300)
     assert [b[:2] for b in after["loss_by_position"]] == [
         [0, 64],
         [64, 128],
@@ -308,5 +308,5 @@ def test_demo_learns_across_shards(tmp_path):
     assert all(b[2] > ln64 for b in after["loss_by_position"][:3])
     if importlib.util.find_spec("matplotlib") is not None:  # else the same numbers as a table
         assert (tmp_path / "demo" / "loss_by_position.png").stat().st_size > 0
-        assert f"step 0 -> step 400: {tmp_path / 'demo' / 'loss_by_position.png'}" in p.stdout
+        assert f"step 0 -> step 300: {tmp_path / 'demo' / 'loss_by_position.png'}" in p.stdout
     assert "warning: eval loss past" not in p.stdout  # the configuration check stays silent
