@@ -72,7 +72,9 @@ ROOT = {root!r}
 def inside_root(path):  # ROOT itself or below it; a sibling such as ROOT + "venv" is not
     path = os.path.abspath(path or ".")
     return path == ROOT or path.startswith(ROOT + os.sep)
-assert not any(inside_root(p) for p in sys.path), sys.path
+def installed(path):  # a virtualenv made inside the checkout (ROOT/.venv) holds packages, not ours
+    return os.path.basename(os.path.abspath(path or ".")) in ("site-packages", "dist-packages")
+assert not any(inside_root(p) and not installed(p) for p in sys.path), sys.path
 for name in ("model", "loss", "train", "memory", "bench"):
     assert importlib.util.find_spec(name) is None, name + " imports in the copy's directory"
 torch.set_num_threads(1)
