@@ -76,8 +76,12 @@ def metrics(out):
 
 
 def tiny_run(out, *extra):
-    """Flags of a small demo-model run (2 layers, 128 wide, 64-token vocabulary, 64-token rows)."""
-    return ["--preset", "demo", "--seq-len", "64", "--save-every", "0", "--out", str(out), *extra]
+    """Flags of a small demo-model run (2 layers, 128 wide, 64-token vocabulary, 64-token rows, one
+    row a step: the demo's two would call the loss twice a step)."""
+    return [
+        "--preset", "demo", "--seq-len", "64", "--grad-accum", "1", "--save-every", "0",
+        "--out", str(out), *extra,
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -497,7 +501,7 @@ def test_checkpoint_files_that_would_run_code_are_refused_by_name(tmp_path):
     assert str(first).startswith("its item x holds more than plain tensors (it refers to io.open)")
     assert not marker.exists()
 
-    p = run(["--preset", "demo", "--seq-len", "64", "--out", str(tmp_path / "o"), "--resume", rng])
+    p = run(tiny_run(tmp_path / "o", "--resume", rng))
     lines = [x for x in p.stderr.splitlines() if x.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
     assert lines[0].startswith(f"error: --resume {rng}: not a loadable checkpoint (rng_rank00000")
