@@ -2,16 +2,15 @@
 matrix.
 
 Each configuration runs two steps of train.train_step (three on the REHEARSED ones) on the real
-pieces (FSDP2 over gloo,
-Ulysses attention, checkpoint-with-offload, tiled MLP, the chunked loss, AdamW) in 1-4 processes,
-measured with memory/meter.py on every rank, where torch's CPU attention kernels return zeros
-of their real shapes without the arithmetic (tests/attention_shapes_only.py: the meter counts what
-an operator returns, not what it computes; the arithmetic was 3/4 of the time). The largest
-rank's peak at step 2 (the first step with AdamW's states: the steady state) is compared with
-memory/plan.py for the same configuration, within 5%. The same steps on fake tensors, as
-train.py --rehearse runs them (a fake process group, this process as rank 0, nothing computed),
-must count what the real steps count, within 1%, on the layouts named in REHEARSED (every kind
-of piece). Steps 2 and 3 must measure the same to the byte, on a quiet machine and on a busy one.
+pieces (FSDP2 over gloo, Ulysses attention, checkpoint-with-offload, tiled MLP, the chunked loss,
+AdamW) in 1-4 processes, measured with memory/meter.py on every rank, where torch's CPU attention
+kernels return zeros of their real shapes without the arithmetic (tests/attention_shapes_only.py:
+the meter counts what an operator returns, not what it computes; the arithmetic was 3/4 of the
+time). The largest rank's peak at step 2 (the first step with AdamW's states: the steady state) is
+compared with memory/plan.py for the same configuration, within 5%. The same steps on fake tensors,
+as train.py --rehearse runs them (a fake process group, this process as rank 0, nothing computed),
+must count what the real steps count, within 1%, on the layouts named in REHEARSED (every kind of
+piece). Steps 2 and 3 must measure the same to the byte, on a quiet machine and on a busy one.
 
 Rows are long and hidden sizes small, so that activations, not parameters, make the peak.
 Configurations marked "mixed" give each layer its own placement (memory/layouts.py's layouts):
@@ -191,7 +190,7 @@ MATRIX = {
 # The layouts also rehearsed on fake tensors: every kind of piece once (tied, odd sizes, bf16
 # norm chunks, 2 and 4 processes, a dp group, no offload, attention once, the loss's peak, CPU
 # offload, mixed placements, LoRA, MoE; one process: tests/test_rehearsal.py's "sp1"). A
-# rehearsal costs more than the real steps here (3.4 s against 1.6 s a layout on 2 cores: fake
+# rehearsal costs more than the real steps here (3.4 s against 2.2 s a layout on 2 cores: fake
 # tensors pay per operation, and the shapes are small), so the other 18 layouts, made of the same
 # pieces, are left to the real steps.
 REHEARSED = (
