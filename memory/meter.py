@@ -65,14 +65,15 @@ def host_tensors(obj) -> list[torch.Tensor]:
 
 
 def _where() -> str:
-    """file:line of the innermost frame in this repository (for record=True)."""
+    """dir/file:line of the innermost frame outside torch and the standard library (for
+    record=True); a frame of code without a file ("<string>", a notebook's cell) keeps its name."""
     import sys
 
     f = sys._getframe(2)
     while f is not None:
         name = f.f_code.co_filename
-        if "site-packages" not in name and "meter.py" not in name and "/lib/python" not in name:
-            return f"{name.split('/')[-2]}/{name.split('/')[-1]}:{f.f_lineno}"
+        if "site-packages" not in name and name != __file__ and "/lib/python" not in name:
+            return "/".join(name.split("/")[-2:]) + f":{f.f_lineno}"
         f = f.f_back
     return "?"
 

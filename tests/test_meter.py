@@ -44,6 +44,19 @@ def test_meter_counts_a_known_chain():
     )  # x and x.grad
 
 
+def test_recording_names_where_each_tensor_was_made_even_in_code_without_a_file():
+    """record=True names each tensor live at the peak by dir/file:line of the code that made it;
+    code compiled without a file (python -c, exec, a notebook's cell) is named as it is."""
+    made_here = "tests/test_meter.py:"
+    with StepMeter("cpu", record=True) as m:
+        kept = torch.empty(MiB, dtype=torch.uint8)
+        also = eval(compile("torch.empty(2 * MiB, dtype=torch.uint8)", "<string>", "eval"))
+    where = [op for _, op in m.at_peak]
+    assert any(op.endswith("@ <string>:1") for op in where), where
+    assert any(made_here in op for op in where), where
+    del kept, also
+
+
 def test_meter_leaves_out_host_buffers():
     host = []
     with StepMeter("cpu", host=host) as m:
