@@ -363,7 +363,7 @@ def measure(names=None, pool=None, steps=None, rehearsed=None) -> dict:
                 rehearsed[group[k]] = peaks["peaks"]
         for k, n in enumerate(group):
             p = _plan(n)
-            per_step = [max(r[k]["peaks"][i] for r in ranks) for i in range(specs[k][-1])]
+            per_step = [max(step) for step in zip(*(r[k]["peaks"] for r in ranks), strict=True)]
             res[n] = (per_step[1], p.total)
             if steps is not None:
                 steps[n] = per_step

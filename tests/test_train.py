@@ -278,7 +278,8 @@ def test_demo_learns_across_shards(tmp_path):
     )  # --loss-on predictable: the loss is the repeated half's
     print(f"demo predictable loss {first:.3f} -> {last:.4f} in {len(m)} steps")
     # under a third from step 188 of 300 (the preset's seed 1, 1 thread); seeds 0-4 at 172-188
-    # with 1 thread and 2 (docs/tests.md): the cap is 1.6 times the latest seed's need
+    # (2 processes, 1 thread), 175-189 in one process with 1 and 2 threads (docs/tests.md): the
+    # cap is 1.6 times the latest seed's need
     assert len(m) == 300 and last < first / 3, p.stdout[-2000:]
     assert (
         f"loss on the predictable labels: {first:.4f} at step 1 -> {last:.4f} at step 300"
