@@ -254,7 +254,7 @@ def test_dry_run_projects_the_retrieval_time():
 def test_training_on_synthetic_passkey_takes_accuracy_from_chance_to_high(tmp_path):
     """--data synthetic:passkey: a tiny model trained in one process goes from about nothing at
     step 0 (a random init; 1 in 9 is a guess of the 1-digit key) to an accuracy of at least 0.9
-    (every answer token the argmax, from the run's own records) in 300 steps of 8 rows (lr 3e-3,
+    (every answer token the argmax, from the run's own records) in 200 steps of 8 rows (lr 3e-3,
     cosine). Its export, evaluated with --eval-only at sp 2, scores the same accuracy: the
     cases of 128 tokens keep the needle in rank 0's half and the question in rank 1's, so each
     right answer is read across the shards. (The training runs in one process: at sp 2 the same
@@ -265,18 +265,19 @@ def test_training_on_synthetic_passkey_takes_accuracy_from_chance_to_high(tmp_pa
         "--eval-depths", "0,0.25,0.5", "--eval-cases", "10", "--dtype", "float32",
     ]  # fmt: skip
     p = run_train(
-        1, "--model", "tiny", "--data", "synthetic:passkey", "--seq-len", "128", "--steps", "300",
+        1, "--model", "tiny", "--data", "synthetic:passkey", "--seq-len", "128", "--steps", "200",
         "--grad-accum", "8", "--lr", "3e-3", "--loss-on", "predictable", "--save-every", "0",
         "--out", str(out), *task,
-        timeout=1800,  # 75 s on an idle 2-core CPU, minutes on a busy one; it catches a hang
+        timeout=1800,  # 40 s on an idle 2-core CPU, minutes on a busy one; it catches a hang
     )  # fmt: skip
     first, last = eval_records(out)
-    assert (first["step"], last["step"]) == (0, 300) and first["cases"] == 30
-    print(f"passkey accuracy: step 0 {first['accuracy']:.3f}, step 300 {last['accuracy']:.3f}")
+    assert (first["step"], last["step"]) == (0, 200) and first["cases"] == 30
+    print(f"passkey accuracy: step 0 {first['accuracy']:.3f}, step 200 {last['accuracy']:.3f}")
     assert first["accuracy"] <= 0.2
-    # 0.9 first reached at steps 70-130 over seeds 0-5, 1.0 at step 300 in all (docs/tests.md)
+    # 0.9 held from steps 70-140 over seeds 0-4 at 1 and 2 threads alike, 1.0 at step 200 in all
+    # (docs/tests.md): the cap is 1.4 times the latest seed's need
     assert last["accuracy"] >= 0.9
-    assert "eval passkey at step 300 | accuracy" in p.stdout
+    assert "eval passkey at step 200 | accuracy" in p.stdout
 
     run_train(2, "--model", str(out / "final"), "--sp", "2", "--eval-only", "--out",
               str(evaluated), *task)  # fmt: skip
