@@ -22,6 +22,7 @@ torchrun.sh, signals to them) are tested with real ones in test_reliability and 
 """
 
 import os
+import random
 import runpy
 import socket
 import subprocess
@@ -66,11 +67,27 @@ def forkserver():
 
 
 def free_port() -> int:
-    """A port free at this moment. Racy if the caller binds it later (another process may take
-    it first): prefer run_distributed / run_train (no port) or torchrun --standalone (port 0)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free at this moment, for a launcher that binds it seconds later (torchrun's
+    --master-port). It is drawn below the kernel's ephemeral range, where the ports the kernel
+    hands out itself never land (a bind to port 0, and every outgoing connection: a gloo group
+    opens dozens), so with the suite's tests running side by side only another such draw could
+    take it in between (1 in ~20,000). Prefer run_distributed / run_train (no port) or torchrun
+    --standalone (port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_start = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):  # not Linux: the IANA range starts at 49152
+        ephemeral_start = 49152
+    draw = random.Random()  # seeded from the OS, not from a test's torch or random seed
+    for _ in range(100):
+        port = draw.randrange(10_000, max(ephemeral_start, 10_001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:  # in use: draw again
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range after 100 draws")
 
 
 def _join(procs, timeout: float, what: str) -> int:
