@@ -112,6 +112,15 @@ def host_pinned_bytes(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+@functools.cache  # the layout chooser plans one model hundreds of times
+def cpu_offload_host_bytes(c: Qwen3Config, world: int, master_bytes: int) -> tuple[int, int]:
+    """(pinned, pageable) host bytes of FSDP2's CPU offload on one rank: each parameter shard and
+    each gradient shard is one pinned buffer (host_pinned_bytes); AdamW's two states, made with
+    zeros_like, are pageable."""
+    shards = [shard_numel(s, world) * master_bytes for s in param_shapes(c).values()]
+    return sum(2 * host_pinned_bytes(n) for n in shards), 2 * sum(shards)
+
+
 def _gathered_numel(shapes, world: int) -> int:
     # An all-gathered unit keeps the padding: world x the padded shard.
     return sum(shard_numel(s, world) * world for s in shapes)
@@ -178,6 +187,7 @@ def fsdp_units(
     )
 
 
+@functools.cache  # step_flops runs for every layout the chooser plans
 def _matmul_params_per_token(c: Qwen3Config) -> int:
     """Matrix-product parameters one token meets in all decoder layers: the sum of
     _active_matmul_params, counted once per kind of layer (dense, sparse), not once per layer (the

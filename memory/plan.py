@@ -52,10 +52,8 @@ from memory.buffers import (
 )
 from memory.model_size import (
     FsdpUnits,
+    cpu_offload_host_bytes,
     fsdp_units,
-    host_pinned_bytes,
-    param_shapes,
-    shard_numel,
     step_flops,
     trains,
 )
@@ -656,8 +654,8 @@ def _host_memory(
     attention = sum(kind.count * host_bytes_for(kind.nbytes) for kind in kinds[1:] if kind in taken)
     state = 0
     if o.cpu_offload:
-        numels = [shard_numel(s, layout.gpus) for s in param_shapes(c).values()]
-        state = sum(2 * host_pinned_bytes(n * mb) + 2 * n * mb for n in numels)
+        pinned, pageable = cpu_offload_host_bytes(c, layout.gpus, mb)
+        state = pinned + pageable
     copied = sum(kind.count * kind.nbytes for kind in taken)
     node = layout.gpus_per_node
     return HostMemory(

@@ -39,10 +39,10 @@ import functools
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 
 from memory.buffers import Buffer
-from memory.model_size import host_pinned_bytes, param_shapes, shard_numel, step_flops
+from memory.model_size import cpu_offload_host_bytes, param_shapes, shard_numel, step_flops
 from memory.plan import GB, Plan, plan
 from model.config import PRESETS, Qwen3Config, load_config
 
@@ -472,7 +472,7 @@ def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) 
 
 
 def _flops(k: KernelFlops) -> float:
-    return sum(asdict(k).values())
+    return sum(getattr(k, f.name) for f in fields(k))  # not asdict: it deep-copies, per layout
 
 
 def _stream(c: Qwen3Config, p: Plan, o) -> KernelFlops:
@@ -518,10 +518,7 @@ def startup(p: Plan, rates: Rates | None = None) -> Startup:
     per_node = min(checkpoint, per_rank * lay.gpus_per_node)
     pinned = p.host.saved_inputs_per_gpu + p.host.saved_attention_per_gpu
     if o.cpu_offload:
-        shards = (
-            shard_numel(s, lay.gpus) * o.master_bytes for s in param_shapes(p.config).values()
-        )
-        pinned += sum(2 * host_pinned_bytes(n) for n in shards)
+        pinned += cpu_offload_host_bytes(p.config, lay.gpus, o.master_bytes)[0]
     # The attention probe (model/attention_probe.py) runs the chosen kernel once, forward and
     # backward, at this rank's shape: one layer's attention of the step, at the step's rates (one
     # candidate; a second where the first fails).
