@@ -593,8 +593,8 @@ def _step_moments(
             Buffer.KEPT_DOCUMENTS: documents_below[i],
             Buffer.NEXT_INPUT: fetched.host_input if fetched else 0,
             Buffer.NEXT_ATTENTION: fetched.host_attention if fetched else 0,
+            **fsdp,  # merged once: the same for each of the layer's moments
         }
-        around.update(fsdp)  # the same for each of the layer's moments
         for name, act in backward.items():
             working = {k: v for k, v in {**act, **around}.items() if v}
             moments.append(Moment(name, i, dict(gathered), working))

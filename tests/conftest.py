@@ -9,10 +9,11 @@ skipped unless --full-depth is given.
 With -n N (pytest-xdist), N worker processes share the machine's cores: each worker's torch, and
 every process a test starts from it, gets cores / N threads (at least 1), so that 2 workers on 2
 cores run 2 threads in all, not 4 fighting for 2. pytest.ini hands out whole files
-(--dist loadfile): many files build a model or a run once for all their tests (module fixtures, up
-to 100 s), and a file split over two workers would build it twice. The files with a test marked
-slow (multi-process runs, up to 90 s each) are sent out first, so that the last minute is not one
-long file on one worker while the other sits idle; a serial run keeps the files' own order.
+(--dist loadfile): many files build a model or a run once for all their tests (module fixtures,
+minutes for the memory matrix), and a file split over two workers would build it twice. The
+files with a test marked slow (multi-process runs, minutes for the longest) are sent out first,
+so that the last minute is not one long file on one worker while the other sits idle; a serial
+run keeps the files' own order.
 """
 
 import os
