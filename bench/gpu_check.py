@@ -53,7 +53,6 @@ from memory.steptime import measured_parts, pinned_gbps
 from model.attention import attention, set_backend, torch_cudnn_gate
 from model.attention_probe import (
     PROBE_TOLERANCE,
-    check_attention,
     choose_documents_kernel,
     choose_kernel,
     probe_kernel,
@@ -283,20 +282,29 @@ def cublas_workspace_bytes(dev: torch.device) -> int:
 
 
 def part_int32(g: Geometry, dev: torch.device, limit_s: float) -> dict:
-    """sp=1 heads at int32_tokens (q past 2^31 elements at the full size) on the kernel train.py
-    pins, forward and backward, the last rows against the fp32 reference; skipped if its estimate
-    at ATTN_TFLOPS would overrun."""
+    """sp=1 heads at int32_tokens (q past 2^31 elements at the full size), forward and backward,
+    the last rows against the fp32 reference: the kernel the short probe pins (the one the other
+    parts time) and train.py's own rule at this length (choose_kernel with probe_kernel), so the
+    JSON says whether that kernel is right here and which one a run of this shape would pin;
+    skipped if its estimate at ATTN_TFLOPS would overrun."""
     cfg, dtype, T = load_config(g.model), _dtype(dev), g.int32_tokens
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     out = {"tokens": T, "q_elements": T * nh * hd, "past_2_31": T * nh * hd > 2**31}
     fwd = step_flops(cfg, T)["attention_fwd"] / cfg.num_hidden_layers
-    estimate = 3.5 * fwd / (ATTN_TFLOPS * 1e12)  # forward, and backward at 2.5 x its FLOPs
+    estimate = 2 * 3.5 * fwd / (ATTN_TFLOPS * 1e12)  # two kernels; backward 2.5 x forward FLOPs
     if dev.type == "cuda" and estimate > 0.8 * limit_s:
         return {**out, "skipped": f"estimated {estimate:.0f} s, {limit_s:.0f} s allowed"}
     name, t0 = bench_attention.pinned_backend(dev, dtype, nh, nkv, hd, T), time.perf_counter()
-    attend = functools.partial(attention, backend=name)
-    why = check_attention(attend, *training_layout(T, nh, nkv, hd, dtype, dev))
-    out.update(backend=name, agrees=why is None, reason=why)
+    out["backend"] = name
+    try:  # each candidate probed at T, in train.py's order; one that fails is passed over
+        choice = choose_kernel(dev, dtype, cfg, T, 1, probe=probe_kernel)
+    except ValueError as e:  # no kernel agrees at this length: a run of this shape is refused
+        out.update(agrees=False, reason=str(e), chosen=None, passed_over=[])
+        return {**out, "time_s": time.perf_counter() - t0}
+    # passed_over holds "<kernel>: <why>" for each kernel tried before the chosen one
+    failed = [why.split(": ", 1)[1] for why in choice.passed_over if why.startswith(f"{name}: ")]
+    out.update(agrees=not failed, reason=failed[0] if failed else None)
+    out.update(chosen=choice.name, passed_over=list(choice.passed_over))
     return {**out, "time_s": time.perf_counter() - t0}
 
 

@@ -120,7 +120,8 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     assert [run["chunk_rows"] for run in r["loss"]["runs"]] == [32, 128, 256]
     for run in r["loss"]["runs"]:
         _finite(run, ["time_s", "peak_mem_gb"], "loss.runs")
-    # the int32 part's check ran (tiny: far below 2^31 elements) and agreed with the reference
+    # the int32 part's check ran (tiny: far below 2^31 elements) and agreed with the reference;
+    # train.py's rule at that length pins the same kernel, passing none over
     i = r["int32"]
     assert (i["q_elements"], i["past_2_31"], i["agrees"], i["backend"]) == (
         512 * 4 * 32,
@@ -128,6 +129,7 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
         True,
         "cpu_flash",
     )
+    assert (i["chosen"], i["passed_over"]) == ("cpu_flash", [])
     # train.py --cpu-offload ran its steps; its last record came back
     c = r["cpu_offload"]
     assert (c["model"], c["step"]) == ("tiny", 2) and c["planned_peak_gb"] > 0
@@ -173,6 +175,33 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
         p["public_recipe"]["step_time_s"] == 380.0 and p["public_recipe"]["peak_gb_per_gpu"] == 56.2
     )
     assert "step" in text and "PROJECTED" in text
+
+
+def test_int32_part_when_the_pinned_kernel_is_wrong_at_its_length(monkeypatch):
+    """The int32 part on a kernel that is wrong at the part's length (as an H200's cuDNN was past
+    2^31 q elements): it says so, and which kernel train.py's rule pins there instead; when no
+    kernel agrees, that a run of this shape is refused."""
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_ALLOC_CONF", ""))
+    from bench import gpu_check
+
+    def probe(name, *shape, tokens=None):
+        return "dq planted off" if name == "cpu_flash" else None
+
+    monkeypatch.setattr(gpu_check, "probe_kernel", probe)
+    r = gpu_check.part_int32(gpu_check.TINY, torch.device("cpu"), 60.0)
+    assert (r["backend"], r["agrees"], r["reason"]) == ("cpu_flash", False, "dq planted off")
+    assert (r["chosen"], r["passed_over"]) == ("math", ["cpu_flash: dq planted off"])
+
+    def refuse(*args, **kwargs):  # on CUDA: neither cuDNN nor flash agrees (CPU keeps math)
+        raise ValueError("attention: neither kernel agrees (planted)")
+
+    monkeypatch.setattr(gpu_check, "choose_kernel", refuse)
+    r = gpu_check.part_int32(gpu_check.TINY, torch.device("cpu"), 60.0)
+    assert (r["agrees"], r["chosen"], r["reason"]) == (
+        False,
+        None,
+        "attention: neither kernel agrees (planted)",
+    )
 
 
 def test_bench_attention_tiny():

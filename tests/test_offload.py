@@ -530,6 +530,7 @@ def test_reserved_pool_odd_sizes_ten_steps(device, dtype):
     x.grad = None
 
     if cuda:
+        gc.collect()  # an earlier test's garbage freed now, not in the middle of this count
         apply_offload(layers, offload=False)  # plain checkpointing keeps the L inputs
         base = torch.cuda.memory_allocated()
         out = forward(layers)
@@ -549,7 +550,9 @@ def test_reserved_pool_odd_sizes_ten_steps(device, dtype):
         if cuda:
             kept = torch.cuda.memory_allocated() - base  # the output, and no layer input
             assert kept < 2 * n, (kept, n)
-            assert kept_plain - kept >= L * n - 4096
+            # each input kept on the device would cost n; small tensors cost far less (12,800 B
+            # more than the output alone after the float32 forward on an H200)
+            assert kept_plain - kept > (L - 0.5) * n, (kept_plain, kept, n)
         out.backward(dy)
         del out
         if cuda:
