@@ -232,6 +232,18 @@ def part_attention(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     return r
 
 
+def recorded_probe(answers: dict):
+    """probe_kernel for choose_kernel, each kernel run once: its answer (None, or why not) is kept
+    in answers[name] and reused."""
+
+    def probe(name, *shape, tokens=None):
+        if name not in answers:
+            answers[name] = probe_kernel(name, *shape, tokens=tokens)
+        return answers[name]
+
+    return probe
+
+
 def part_backends(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     """train.py's rule (model/attention_probe.py's choose_kernel) on one sp rank: each kernel
     probed once at that rank's training shape (CPU: at check_tokens, in seconds), the choice
@@ -244,11 +256,7 @@ def part_backends(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     shape = rank_attention_shape(cfg, seq_len, g.sp)
     heads = (shape["num_heads"], shape["num_kv_heads"])
     answers = {}
-
-    def probe(name, *shape, tokens=None):  # each kernel run once, its answer reused
-        if name not in answers:
-            answers[name] = probe_kernel(name, *shape, tokens=tokens)
-        return answers[name]
+    probe = recorded_probe(answers)
 
     def first_fails(name, *shape, tokens=None):
         return "failure injected" if name == first else probe(name, *shape, tokens=tokens)
@@ -295,15 +303,14 @@ def part_int32(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     if dev.type == "cuda" and estimate > 0.8 * limit_s:
         return {**out, "skipped": f"estimated {estimate:.0f} s, {limit_s:.0f} s allowed"}
     name, t0 = bench_attention.pinned_backend(dev, dtype, nh, nkv, hd, T), time.perf_counter()
-    out["backend"] = name
+    out["backend"], answers = name, {}
     try:  # each candidate probed at T, in train.py's order; one that fails is passed over
-        choice = choose_kernel(dev, dtype, cfg, T, 1, probe=probe_kernel)
+        choice = choose_kernel(dev, dtype, cfg, T, 1, probe=recorded_probe(answers))
     except ValueError as e:  # no kernel agrees at this length: a run of this shape is refused
         out.update(agrees=False, reason=str(e), chosen=None, passed_over=[])
         return {**out, "time_s": time.perf_counter() - t0}
-    # passed_over holds "<kernel>: <why>" for each kernel tried before the chosen one
-    failed = [why.split(": ", 1)[1] for why in choice.passed_over if why.startswith(f"{name}: ")]
-    out.update(agrees=not failed, reason=failed[0] if failed else None)
+    why = answers.get(name)  # None: it agreed (or a kernel before it was chosen)
+    out.update(agrees=why is None, reason=why)
     out.update(chosen=choice.name, passed_over=list(choice.passed_over))
     return {**out, "time_s": time.perf_counter() - t0}
 
