@@ -5,9 +5,17 @@
     cfg = cfg.with_yarn(factor=32, original_max_position_embeddings=32768)
 
 Only what this repository can run is accepted: Qwen3 dense or mixture-of-experts (model_type
-"qwen3_moe": Qwen3-30B-A3B and its kin, model/moe.py), no sliding window, SiLU MLP, no attention
-bias, RoPE "default" or "yarn". Anything else is refused with a ConfigError (a
+"qwen3_moe": Qwen3-30B-A3B and its kin, model/moe.py), and the dense Qwen3.5 / Qwen3.6 hybrids
+(model_type "qwen3_5", the multimodal config.json real checkpoints ship with the text model's
+fields under text_config, or "qwen3_5_text"; model/qwen3_5.py); no sliding window, SiLU MLP, no
+attention bias, RoPE "default" or "yarn". Anything else is refused with a ConfigError (a
 ValueError) of one line that names the file and the problem.
+
+A Qwen3.5 config is a Qwen3Config whose layer_types is not empty: each layer is
+"linear_attention" (Gated DeltaNet, the linear_* fields) or "full_attention" (gated attention on
+the first partial_rotary_factor of each head's dimensions). Its rope_parameters carry an
+mrope_section for images and video; for text all three position streams are the token's place, so
+the sections pick from one and the same table and the rotation is plain 1-D RoPE.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ import math
 import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+
+LAYER_TYPES = ("linear_attention", "full_attention")  # a Qwen3.5 layer's kinds
 
 
 class ConfigError(ValueError):
@@ -67,6 +78,17 @@ class Qwen3Config:
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight when it is on
+    # Qwen3.5 / Qwen3.6 (model/qwen3_5.py); layer_types () is a Qwen3. Gated DeltaNet layers:
+    layer_types: tuple[str, ...] = ()  # "linear_attention" or "full_attention", one per layer
+    linear_num_key_heads: int = 0  # q and k heads of the delta rule (16 in every real Qwen3.5)
+    linear_num_value_heads: int = 0  # v heads; value head j reads key head j // (v / k)
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0  # the depthwise causal conv's width (4)
+    # ... and full-attention layers: RoPE on the first head_dim * factor dimensions of a head
+    # (64 of 256), and an output gate sigmoid(g) read from q_proj beside each query head.
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
 
     def __post_init__(self):
         for name in (
@@ -99,6 +121,61 @@ class Qwen3Config:
                 f"({self.decoder_sparse_step})"
             )
 
+        if self.layer_types:
+            self._check_hybrid()
+
+    def _check_hybrid(self) -> None:
+        kinds = set(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers or not kinds <= set(LAYER_TYPES):
+            raise ConfigError(
+                f"layer_types must name one of {LAYER_TYPES} for each of the "
+                f"{self.num_hidden_layers} layers, got {list(self.layer_types)}"
+            )
+        if "linear_attention" not in kinds:
+            return
+        nk, nv = self.linear_num_key_heads, self.linear_num_value_heads
+        dims = (self.linear_key_head_dim, self.linear_value_head_dim, self.linear_conv_kernel_dim)
+        if min(nk, nv, *dims) <= 0 or nv % nk:
+            raise ConfigError(
+                f"Gated DeltaNet layers need positive linear_* heads and dims with value heads "
+                f"({nv}) a multiple of key heads ({nk}), got dims {dims}"
+            )
+
+    # ---- hybrid layers (Qwen3.5) --------------------------------------------------------
+    @property
+    def hybrid(self) -> bool:
+        """Whether this is a Qwen3.5-family model (model/qwen3_5.py), not a Qwen3."""
+        return bool(self.layer_types)
+
+    def is_linear_layer(self, i: int) -> bool:
+        """Whether decoder layer i is a Gated DeltaNet layer (else attention)."""
+        return bool(self.layer_types) and self.layer_types[i] == "linear_attention"
+
+    @property
+    def linear_layers(self) -> int:
+        return sum(self.is_linear_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def attention_layers(self) -> int:
+        """Layers that run softmax attention (all of a Qwen3's)."""
+        return self.num_hidden_layers - self.linear_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of a head that RoPE turns: all for Qwen3, 64 of 256 for Qwen3.5."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def gdn_layer_params(self) -> int:
+        """Parameters of one Gated DeltaNet block (in_proj_qkv/z/b/a, conv, A_log, dt_bias,
+        gated norm, out_proj), as transformers' Qwen3_5GatedDeltaNet holds them."""
+        h, nv = self.hidden_size, self.linear_num_value_heads
+        kd = self.linear_num_key_heads * self.linear_key_head_dim
+        vd = nv * self.linear_value_head_dim
+        conv = 2 * kd + vd
+        return h * (conv + vd + 2 * nv) + conv * self.linear_conv_kernel_dim + 2 * nv + (
+            self.linear_value_head_dim + vd * h
+        )
+
     # ---- mixture of experts -------------------------------------------------------------
     def is_sparse_layer(self, i: int) -> bool:
         """Whether decoder layer i holds experts (transformers' Qwen3MoeDecoderLayer's rule)."""
@@ -120,14 +197,17 @@ class Qwen3Config:
     def num_params(self) -> int:
         """Parameter count (lm_head counted once when tied)."""
         h, hd = self.hidden_size, self.head_dim
-        attn = h * hd * (2 * self.num_attention_heads + 2 * self.num_key_value_heads) + 2 * hd
+        q_heads = self.num_attention_heads * (2 if self.attn_output_gate else 1)  # gate beside q
+        attn = h * hd * (q_heads + self.num_attention_heads + 2 * self.num_key_value_heads)
+        attn += 2 * hd
         mlp = 3 * h * self.intermediate_size
         layer = attn + mlp + 2 * h
         emb = self.vocab_size * h
         sparse = self.sparse_layers * (self.moe_layer_params() - mlp)  # experts instead of an MLP
+        linear = self.linear_layers * (self.gdn_layer_params() - attn)  # a delta rule instead
         return (
             emb * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
-        ) + sparse
+        ) + sparse + linear
 
     def moe_layer_params(self, experts: int | None = None) -> int:
         """Parameters of one sparse block: the router and `experts` experts (all by default)."""
@@ -188,6 +268,7 @@ class Qwen3Config:
                     f"{p} holds a JSON {type(d).__name__}, not an object; "
                     f"restore the model's config.json"
                 )
+        d = _text_fields(d)
         _refuse_unsupported(d, where)
         try:
             return cls._from_dict(d, where)
@@ -252,6 +333,7 @@ class Qwen3Config:
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=_first(d.get("eos_token_id")),
             **_moe_fields(d),
+            **_hybrid_fields(d, rs),
         )
 
     def to_hf(self) -> dict[str, Any]:
@@ -294,6 +376,8 @@ class Qwen3Config:
                 router_aux_loss_coef=self.router_aux_loss_coef,
                 output_router_logits=False,
             )
+        if self.hybrid:
+            d.update(self._hybrid_hf())
         if self.yarn is not None:
             y = asdict(self.yarn)
             d["rope_scaling"] = {
@@ -301,6 +385,26 @@ class Qwen3Config:
                 **{k: v for k, v in y.items() if v is not None},
             }
         return d
+
+    def _hybrid_hf(self) -> dict[str, Any]:
+        """The fields a Qwen3.5 text config.json adds (transformers' Qwen3_5TextConfig, read by
+        Qwen3_5ForCausalLM); RoPE in the rope_parameters layout it expects."""
+        return {
+            "architectures": ["Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_text",
+            "layer_types": list(self.layer_types),
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "attn_output_gate": self.attn_output_gate,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": self.partial_rotary_factor,
+            },
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -326,18 +430,69 @@ def _moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-KNOWN = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}  # model_type: class
+def _text_fields(d: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal Qwen3.5 config.json's text model: text_config's fields, with the outer
+    tie_word_embeddings (real checkpoints write it there) and model_type named as the text one."""
+    text = d.get("text_config")
+    if d.get("model_type") not in MULTIMODAL or not isinstance(text, dict):
+        return d
+    out = {**text, "model_type": MULTIMODAL[d["model_type"]], "architectures": []}
+    if "tie_word_embeddings" in d and "tie_word_embeddings" not in text:
+        out["tie_word_embeddings"] = d["tie_word_embeddings"]
+    return out
+
+
+def _hybrid_fields(d: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
+    """A Qwen3.5 text config's layer kinds and Gated DeltaNet fields; {} for a Qwen3. Layer i is
+    full attention every full_attention_interval layers (the 4th, 8th, ...) unless layer_types
+    lists the kinds."""
+    if d.get("model_type") != "qwen3_5_text":
+        return {}
+    n = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types is None:
+        every = int(d.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    return dict(
+        layer_types=tuple(str(t) for t in types),
+        linear_num_key_heads=int(d.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(d.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(d.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(d.get("linear_value_head_dim", 128)),
+        linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim", 4)),
+        partial_rotary_factor=float(factor),
+        attn_output_gate=bool(d.get("attn_output_gate", True)),
+    )
+
+
+KNOWN = {  # model_type: class
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+}
+MULTIMODAL = {"qwen3_5": "qwen3_5_text"}  # a checkpoint's outer model_type: its text model's
+NOT_YET = {  # model types refused by name, with what to use instead
+    "qwen3_next": "Qwen3-Next (mixture of experts on hybrid layers) is not supported yet",
+    "qwen3_5_moe": "Qwen3.5 / Qwen3.6 mixture of experts is not supported yet",
+    "qwen3_5_moe_text": "Qwen3.5 / Qwen3.6 mixture of experts is not supported yet",
+}
 
 
 def _refuse_unsupported(d: dict[str, Any], where: str) -> None:
     model_type = d.get("model_type")
     archs = d.get("architectures") or []
+    if model_type in NOT_YET:
+        raise ConfigError(
+            f"{where}: model_type={model_type!r}: {NOT_YET[model_type]}; dense Qwen3, Qwen3-MoE "
+            f"and dense Qwen3.5 / Qwen3.6 (such as Qwen/Qwen3.5-9B) run"
+        )
     arch = KNOWN.get(model_type or "qwen3")
     if arch is None or any(a != arch for a in archs):
         raise ConfigError(
-            f"{where}: model_type={model_type!r}, architectures={archs} is not a Qwen3 "
-            f"(model_type 'qwen3', Qwen3ForCausalLM, or 'qwen3_moe', Qwen3MoeForCausalLM); "
-            f"this trainer runs Qwen3 only, such as Qwen/Qwen3-8B or Qwen/Qwen3-30B-A3B"
+            f"{where}: model_type={model_type!r}, architectures={archs} is not a Qwen3 or a "
+            f"dense Qwen3.5 (model_type 'qwen3', 'qwen3_moe', 'qwen3_5' or 'qwen3_5_text'); "
+            f"this trainer runs models such as Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3.5-9B"
         )
     if model_type == "qwen3_moe" and not (d.get("num_experts") or d.get("num_local_experts")):
         raise ConfigError(f"{where}: a qwen3_moe config without num_experts")
@@ -368,6 +523,20 @@ def _refuse_unsupported(d: dict[str, Any], where: str) -> None:
     if missing:
         raise ConfigError(f"{where}: config is missing {missing}")
 
+
+def _every_fourth_full(n: int) -> tuple[str, ...]:
+    """Qwen3.5's layer kinds: full attention every 4th layer, Gated DeltaNet in between."""
+    return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))
+
+
+_QWEN35_LINEAR = dict(  # what every real Qwen3.5 shares (its config.json files)
+    linear_num_key_heads=16,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_conv_kernel_dim=4,
+    partial_rotary_factor=0.25,
+    attn_output_gate=True,
+)
 
 PRESETS: dict[str, Qwen3Config] = {
     # Shapes as published in the Qwen/Qwen3-* config.json files.
@@ -421,6 +590,64 @@ PRESETS: dict[str, Qwen3Config] = {
         num_experts_per_tok=8,
         moe_intermediate_size=768,
         norm_topk_prob=True,
+    ),
+    # Qwen/Qwen3.5-9B and Qwen/Qwen3.5-27B's text models: 3 Gated DeltaNet layers to 1 gated
+    # attention layer (16 or 24 heads of 256, RoPE on 64 of them), 262,144 native positions.
+    "qwen3.5-9b": Qwen3Config(
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=256,
+        rope_theta=10_000_000.0,
+        max_position_embeddings=262144,
+        bos_token_id=None,
+        eos_token_id=248044,
+        **_QWEN35_LINEAR,
+        layer_types=_every_fourth_full(32),
+        linear_num_value_heads=32,
+    ),
+    "qwen3.5-27b": Qwen3Config(
+        vocab_size=248320,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        rope_theta=10_000_000.0,
+        max_position_embeddings=262144,
+        bos_token_id=None,
+        eos_token_id=248044,
+        **_QWEN35_LINEAR,
+        layer_types=_every_fourth_full(64),
+        linear_num_value_heads=48,
+    ),
+    # For tests: 3 Gated DeltaNet layers and 1 attention layer, 4 key heads of the delta rule
+    # to 8 value heads, RoPE on 8 of 32 dimensions, tied embeddings.
+    "qwen3.5-tiny": Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rope_theta=10_000_000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        layer_types=_every_fourth_full(4),
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        partial_rotary_factor=0.25,
+        attn_output_gate=True,
     ),
     # For tests and the CPU demo: head_dim deliberately not hidden / heads, GQA ratio 2.
     "tiny": Qwen3Config(

@@ -52,7 +52,7 @@ def rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
     angles (position x frequency) are then taken to float64: that product is where precision
     is lost at a million positions.
     """
-    dim, base = config.head_dim, config.rope_theta
+    dim, base = config.rotary_dim, config.rope_theta  # RoPE turns the first rotary_dim
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     y = config.yarn
     if y is None:
