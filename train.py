@@ -453,7 +453,14 @@ def train(cfg: TrainConfig, mc, model_dir, sp: int, dp: int, rank: int, device) 
         log0(f"saved {final} ({what})")
     elif cfg.save_final:
         save_dtype = getattr(torch, cfg.save_dtype)
-        export_final(model, final, dtype=save_dtype, tokenizer_dir=model_dir, progress=rank == 0)
+        export_final(
+            model,
+            final,
+            dtype=save_dtype,
+            tokenizer_dir=model_dir,
+            progress=rank == 0,
+            source_dir=model_dir,  # a multimodal Qwen3.5 keeps its vision tower and layout
+        )
         log0(f"saved {final} (Hugging Face layout)")
     log0_outputs(cfg, log, final)
 

@@ -420,7 +420,7 @@ def layout_dp(
     layout_problem (the rule a launch is refused by), and a row the plan can split (a run pads
     its row to a multiple of sp first: memory/choices.py)."""
     node = gpus_per_node or min(gpus, 8)
-    heads = config.num_attention_heads, config.num_key_value_heads
+    heads = config.num_attention_heads, config.num_key_value_heads, config.linear_num_key_heads
     if problem := layout_problem(gpus, sp, min(node, gpus), *heads):
         raise ValueError(problem)
     if dp is None:

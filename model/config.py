@@ -26,7 +26,6 @@ import os
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-
 LAYER_TYPES = ("linear_attention", "full_attention")  # a Qwen3.5 layer's kinds
 
 
@@ -172,8 +171,11 @@ class Qwen3Config:
         kd = self.linear_num_key_heads * self.linear_key_head_dim
         vd = nv * self.linear_value_head_dim
         conv = 2 * kd + vd
-        return h * (conv + vd + 2 * nv) + conv * self.linear_conv_kernel_dim + 2 * nv + (
-            self.linear_value_head_dim + vd * h
+        return (
+            h * (conv + vd + 2 * nv)
+            + conv * self.linear_conv_kernel_dim
+            + 2 * nv
+            + (self.linear_value_head_dim + vd * h)
         )
 
     # ---- mixture of experts -------------------------------------------------------------
@@ -206,8 +208,10 @@ class Qwen3Config:
         sparse = self.sparse_layers * (self.moe_layer_params() - mlp)  # experts instead of an MLP
         linear = self.linear_layers * (self.gdn_layer_params() - attn)  # a delta rule instead
         return (
-            emb * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h
-        ) + sparse + linear
+            (emb * (1 if self.tie_word_embeddings else 2) + self.num_hidden_layers * layer + h)
+            + sparse
+            + linear
+        )
 
     def moe_layer_params(self, experts: int | None = None) -> int:
         """Parameters of one sparse block: the router and `experts` experts (all by default)."""

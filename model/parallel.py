@@ -49,6 +49,8 @@ from torch.distributed.fsdp import (
 from model.config import Qwen3Config
 from model.lora import LoraSpec, add_lora, init_lora, is_adapter_key, load_adapter
 from model.qwen3 import Qwen3
+from model.qwen3_5 import Qwen3_5
+from model.ulysses import check_linear_heads
 from model.ulysses_exchange import check_heads
 from model.weights import LoadStats, load_safetensors
 
@@ -103,6 +105,7 @@ def layout_problem(
     per_node: int,
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
+    linear_key_heads: int = 0,
 ) -> str | None:
     """The one layout rule: why dp x sp over `world` processes in nodes of `per_node` cannot run
     (with a model's heads, when given), or None. run/checks.py refuses a launch by it,
@@ -110,7 +113,8 @@ def layout_problem(
 
     sp divides the processes; sp groups of consecutive ranks line up with nodes (inside a node sp
     divides its processes, beyond one node it is a multiple of them); Ulysses splits the query
-    heads over sp and splits or repeats the kv heads (model/ulysses_exchange.py's check_heads).
+    heads over sp and splits or repeats the kv heads (model/ulysses_exchange.py's check_heads);
+    a Qwen3.5's Gated DeltaNet key heads (linear_key_heads) divide by sp (model/ulysses.py).
     """
     if world < 1 or sp < 1:
         return f"processes and sp must be at least 1, got {world} processes and sp={sp}"
@@ -130,6 +134,8 @@ def layout_problem(
     if num_heads is not None:
         try:
             check_heads(num_heads, num_kv_heads, sp)
+            if linear_key_heads:
+                check_linear_heads(linear_key_heads, sp)
         except ValueError as e:
             return str(e)
     return None
@@ -200,8 +206,11 @@ def apply_fsdp(
     cpu_offload: the shards (and so their gradients and optimizer states) live in host memory,
         pinned when the mesh is on CUDA; materialise with to_empty(device="cpu").
     """
-    if not isinstance(model, Qwen3):
-        raise TypeError(f"apply_fsdp expects model.qwen3.Qwen3, got {type(model).__name__}")
+    if not isinstance(model, (Qwen3, Qwen3_5)):
+        raise TypeError(
+            f"apply_fsdp expects model.qwen3.Qwen3 or model.qwen3_5.Qwen3_5, "
+            f"got {type(model).__name__}"
+        )
     if isinstance(model, FSDPModule):
         raise ValueError(
             "apply_fsdp: this model is already sharded (fully_shard was applied before)"
@@ -297,7 +306,7 @@ def build_sharded_model(
             f"device {device} does not match the mesh's device type {mesh.device_type!r}"
         )
     with torch.device("meta"):
-        model = Qwen3(config).to(dtype)
+        model = model_class(config)(config).to(dtype)
     if lora is not None:
         add_lora(model, lora, base_dtype=compute_dtype(device.type, param_dtype, dtype))
     apply_fsdp(
@@ -329,6 +338,11 @@ def build_sharded_model(
         if adapter_dir is not None:
             load_adapter(model, adapter_dir)
     return model, stats
+
+
+def model_class(config: Qwen3Config) -> type[Qwen3] | type[Qwen3_5]:
+    """The model a config builds: model/qwen3_5.py's hybrid for a Qwen3.5, else Qwen3."""
+    return Qwen3_5 if config.hybrid else Qwen3
 
 
 def compute_dtype(

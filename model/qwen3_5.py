@@ -38,7 +38,7 @@ from torch import nn
 
 from model.config import Qwen3Config
 from model.delta_rule import gated_delta_rule
-from model.qwen3 import MLP, RMSNorm, causal_attention, rope_cos_sin, rotate_half
+from model.qwen3 import MLP, causal_attention, rope_cos_sin, rotate_half
 from model.seeded_init import block_seed, local_rows, seeded_normal_
 
 # Elements per row chunk of the zero-centred norm's fp32 temporaries (as model/qwen3.py's).

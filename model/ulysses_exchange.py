@@ -45,6 +45,7 @@ import torch.nn.functional as F
 __all__ = [
     "check_heads",
     "document_segments",
+    "exchange",
     "heads_to_seq",
     "register_ulysses",
     "seq_to_heads",
@@ -108,6 +109,13 @@ class _Exchange(torch.autograd.Function):
         if ctx.to_heads:
             return heads_to_seq(grad, ctx.group, ctx.repeat), None, None, None
         return seq_to_heads(grad, ctx.group), None, None, None
+
+
+def exchange(x: torch.Tensor, group, to_heads: bool) -> torch.Tensor:
+    """The differentiable exchange of one tensor: to_heads [B, T/sp, h, d] -> [B, T, h/sp, d],
+    else back; its backward is the other direction. For layers that are not attention (a linear
+    attention's token-local projections, packed per head) and need every token of their heads."""
+    return _Exchange.apply(x, group, to_heads)
 
 
 def check_heads(num_heads: int, num_kv_heads: int, sp: int) -> None:

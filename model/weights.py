@@ -14,6 +14,12 @@ transformers release reads); a file that stacks them is read as it is.
 save_safetensors(model, path): parameters are gathered one at a time (never the whole model on one
 device), rank 0 writes bf16 shards of at most 5 GB, an index, and config.json, which
 transformers' from_pretrained reads.
+
+A Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration) holds the text model under
+`model.language_model.`, beside a vision tower (`model.visual.`) and a multi-token prediction head
+(`mtp.`). Only the text model is read; given the checkpoint as source_dir, the save writes the
+trained text weights back under that prefix, every other tensor byte-equal from the source and
+its config.json as it was, so the result loads and serves as the original did.
 """
 
 from __future__ import annotations
@@ -50,6 +56,27 @@ TOKENIZER_FILES = (
     "chat_template.jinja",  # transformers writes the chat template here, not in the config
     "chat_template.json",
 )
+
+
+TEXT_PREFIX = "model.language_model."  # a multimodal Qwen3.5 checkpoint's text model
+
+
+def is_multimodal(keys) -> bool:
+    """Whether checkpoint keys hold the text model under TEXT_PREFIX (a released Qwen3.5)."""
+    return any(k.startswith(TEXT_PREFIX) for k in keys)
+
+
+def checkpoint_key(name: str, multimodal: bool) -> str:
+    """Our state_dict name's key in the checkpoint: model.layers.0... is
+    model.language_model.layers.0... in a multimodal one; lm_head.weight is itself in both."""
+    if multimodal and name.startswith("model."):
+        return TEXT_PREFIX + name.removeprefix("model.")
+    return name
+
+
+def outside_text_model(key: str) -> bool:
+    """A multimodal checkpoint's tensor that the text model does not hold (vision, mtp)."""
+    return not key.startswith(TEXT_PREFIX) and key != "lm_head.weight"
 
 
 @dataclass
@@ -128,9 +155,10 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True, skip
                 sl = f.get_slice(k)
                 shapes[k] = tuple(sl.get_shape())
                 stats.checkpoint_bytes += math.prod(shapes[k]) * _dtype_size(sl.get_dtype())
-    sources = {name: name for name in targets}
-    if tied and "lm_head.weight" not in where:
-        sources["lm_head.weight"] = "model.embed_tokens.weight"  # tied files omit lm_head
+    multimodal = is_multimodal(where)
+    sources = {name: checkpoint_key(name, multimodal) for name in targets}
+    if tied and "lm_head.weight" not in where:  # tied files omit lm_head
+        sources["lm_head.weight"] = checkpoint_key("model.embed_tokens.weight", multimodal)
     # Stacked experts from one tensor per expert (model/moe.py), unless the file stacks them too.
     pieces = {n: expert_pieces(n, targets[n].shape) for n in targets if n not in where}
     pieces = {n: p for n, p in pieces.items() if p is not None}
@@ -139,7 +167,11 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True, skip
         for key, _, rows in parts:
             wanted[key] = (key, (rows.stop - rows.start, *targets[n].shape[2:]))
     missing = sorted(n for n, (src, _) in wanted.items() if src not in where)
-    unexpected = sorted(k for k in where if k not in wanted and k not in targets)
+    read = {src for src, _ in wanted.values()}
+    # a multimodal checkpoint's vision tower and mtp head are not ours to read (nor unexpected)
+    unexpected = sorted(
+        k for k in where if k not in read and not (multimodal and outside_text_model(k))
+    )
     misshaped = [
         f"{n}: checkpoint {shapes[src]} vs model {shape}"
         for n, (src, shape) in wanted.items()
@@ -221,10 +253,13 @@ def save_safetensors(
     tokenizer_dir: str | None = None,
     progress: bool = True,
     skip=None,
+    source_dir: str | None = None,
 ) -> list[str]:
     """Write `model` in the Hugging Face layout. Collective when the model is sharded: every
     rank must call it, rank 0 writes, and all return once the files are there. Returns the
-    files written (on rank 0). skip: a test on state_dict keys left out (LoRA's adapters)."""
+    files written (on rank 0). skip: a test on state_dict keys left out (LoRA's adapters).
+    source_dir: the checkpoint the model was read from; a multimodal one is written back in its
+    own layout (the module docstring)."""
     rank = dist.get_rank() if dist is not None and dist.is_initialized() else 0
     config = getattr(model, "config", None)
     params = model.state_dict(keep_vars=True)  # FSDP2 switches to the sharded params here
@@ -233,12 +268,15 @@ def save_safetensors(
     sharded = any(isinstance(t, DTensor) for t in params.values())
     if getattr(config, "tie_word_embeddings", False):
         params.pop("lm_head.weight", None)  # transformers re-ties it from the embedding
+    extras = multimodal_extras(source_dir)  # key -> (file, bytes): kept as they are
+    multimodal = bool(extras)
 
-    # Plan the shards from shapes alone, so file names are known before anything is gathered.
+    # Plan the shards from sizes alone, so file names are known before anything is gathered.
+    sizes = {name: t.numel() * dtype.itemsize for name, t in params.items()}
+    sizes.update({key: nbytes for key, (_, nbytes) in extras.items()})
     shards: list[list[str]] = [[]]
     size = 0
-    for name, t in params.items():
-        nbytes = t.numel() * dtype.itemsize
+    for name, nbytes in sizes.items():
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -257,10 +295,17 @@ def save_safetensors(
         for fname, shard in zip(names, shards, strict=True):
             tensors = {}
             for name in shard:
+                if name in extras:  # the source's own bytes, on rank 0 only
+                    if rank == 0:
+                        with safe_open(extras[name][0], framework="pt") as f:
+                            tensors[name] = f.get_tensor(name)
+                        total += extras[name][1]
+                    continue
                 t = params[name]
                 full = t.full_tensor() if isinstance(t, DTensor) else t  # collective for DTensors
                 if rank == 0:  # cast where the tensor is (GPU), then copy the smaller result
                     for key, piece in split_experts(name, full.detach().to(dtype).to("cpu")):
+                        key = checkpoint_key(key, multimodal)
                         tensors[key] = piece.contiguous()  # stacked experts: one tensor each
                         total += piece.numel() * piece.element_size()
                 del full
@@ -281,7 +326,11 @@ def save_safetensors(
                 os.path.join(path, INDEX_NAME),
                 {"metadata": {"total_size": total}, "weight_map": weight_map},
             )
-        if config is not None and hasattr(config, "to_hf"):
+        if multimodal:  # the source's config.json, which names the vision tower too
+            shutil.copyfile(
+                os.path.join(source_dir, "config.json"), os.path.join(path, "config.json")
+            )
+        elif config is not None and hasattr(config, "to_hf"):
             hf = config.to_hf()
             hf["torch_dtype"] = str(dtype).removeprefix("torch.")
             _write_json(os.path.join(path, "config.json"), hf)
@@ -292,6 +341,26 @@ def save_safetensors(
     if sharded:  # everyone returns once the files exist, so any rank may read them next
         dist.barrier()
     return written
+
+
+def multimodal_extras(source_dir: str | None) -> dict[str, tuple[str, int]]:
+    """The tensors of a multimodal checkpoint in source_dir that the text model does not hold:
+    key -> (its file, its bytes); {} for any other checkpoint, or none."""
+    if not source_dir or not os.path.isdir(source_dir):
+        return {}
+    try:
+        where = checkpoint_files(source_dir)
+    except FileNotFoundError:
+        return {}
+    if not is_multimodal(where):
+        return {}
+    out = {}
+    for key, file in where.items():
+        if outside_text_model(key):
+            with safe_open(file, framework="pt") as f:
+                sl = f.get_slice(key)
+                out[key] = (file, math.prod(sl.get_shape()) * _dtype_size(sl.get_dtype()))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

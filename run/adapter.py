@@ -162,7 +162,13 @@ def export_lora(model, cfg, spec: LoraSpec, path: str, *, dtype, tokenizer_dir, 
     if cfg.lora_merge:
         merge_lora_sharded(model)  # the base weights now hold W + scale * B @ A
         return export_final(
-            model, path, dtype=dtype, tokenizer_dir=tokenizer_dir, progress=progress, base_only=True
+            model,
+            path,
+            dtype=dtype,
+            tokenizer_dir=tokenizer_dir,
+            progress=progress,
+            base_only=True,
+            source_dir=tokenizer_dir,  # the model directory: a multimodal layout is kept
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
     base = cfg.model if not os.path.isdir(cfg.model) else os.path.abspath(cfg.model)

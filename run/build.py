@@ -66,7 +66,7 @@ from model.attention_probe import (
 from model.checkpoint_offload import apply_offload, offloaded_tensors
 from model.config import ConfigError
 from model.parallel import GROUP_TIMEOUT, build_sharded_model, ulysses_group
-from model.ulysses import UlyssesAttention
+from model.ulysses import UlyssesAttention, UlyssesLinearMix
 from run.adapter import lora_spec
 
 
@@ -150,7 +150,10 @@ def sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode=None):
     else:
         loaded = "random init"
     log0(f"model ready in {time.perf_counter() - t0:.1f} s, {loaded}")
-    model.set_attention(UlyssesAttention(ulysses_group(mesh)))
+    group = ulysses_group(mesh)
+    model.set_attention(UlyssesAttention(group))
+    if mc.hybrid:  # the Gated DeltaNet layers' exchange, on the same group
+        model.set_linear_mix(UlyssesLinearMix(group))
     cfg, backend = choose_attention(cfg, mc, sp=mesh.size(1), device=device, dtype=dtype)
     return cfg, model, backend
 

@@ -395,7 +395,7 @@ def check_layout(cfg, mc: Qwen3Config, world: int, local_world: int) -> tuple[in
     from model.parallel import layout_problem
 
     sp = cfg.sp or local_world
-    heads = mc.num_attention_heads, mc.num_key_value_heads
+    heads = mc.num_attention_heads, mc.num_key_value_heads, mc.linear_num_key_heads
     if problem := layout_problem(world, sp, local_world, *heads):
         said = f"sp={sp} "  # the rule's own name for it, said here as the flag
         rest = problem.removeprefix(said)

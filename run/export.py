@@ -37,9 +37,11 @@ def export_final(
     tokenizer_dir: str | None = None,
     progress: bool = True,
     base_only: bool = False,
+    source_dir: str | None = None,
 ) -> str:
     """Write `model` to `path` as described in the module docstring; returns `path`.
-    base_only: without LoRA's adapters (a merged LoRA model: run/adapter.py)."""
+    base_only: without LoRA's adapters (a merged LoRA model: run/adapter.py). source_dir: the
+    checkpoint the model was read from, whose layout a multimodal Qwen3.5's export keeps."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     parent = os.path.dirname(os.path.abspath(path))
     need = bytes_needed(export_bytes(model, dtype))
@@ -63,7 +65,13 @@ def export_final(
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed export's leftovers
     skip = is_adapter_key if base_only else None
     save_safetensors(
-        model, tmp, dtype=dtype, tokenizer_dir=tokenizer_dir, progress=progress, skip=skip
+        model,
+        tmp,
+        dtype=dtype,
+        tokenizer_dir=tokenizer_dir,
+        progress=progress,
+        skip=skip,
+        source_dir=source_dir,
     )
     if rank == 0:
         old = path.rstrip("/") + ".old"
