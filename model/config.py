@@ -228,6 +228,26 @@ class Qwen3Config:
             )
         return PRESETS[name]
 
+    @property
+    def native_context(self) -> int:
+        """The context the model was trained at, which YaRN stretches: YaRN's original length if
+        set; 32,768 for a Qwen3 whose config says 40,960 (its model card's native context, plus
+        8,192 of room for generation); else max_position_embeddings (Qwen3.5's 262,144, Qwen3-
+        4B-2507's 262,144)."""
+        if self.yarn is not None:
+            return self.yarn.original_max_position_embeddings
+        if not self.hybrid and self.max_position_embeddings == 40960:
+            return 32768
+        return self.max_position_embeddings
+
+    def yarn_to(self, length: int) -> Qwen3Config:
+        """The model with YaRN from its native context to `length` tokens (x32 for Qwen3-8B at
+        1,048,576, x4 for Qwen3.5); unchanged if `length` is within the native context."""
+        native = self.native_context
+        if length <= native:
+            return self
+        return self.with_yarn(length / native, native)
+
     def with_yarn(self, factor: float, original_max_position_embeddings: int, **kw) -> Qwen3Config:
         """The same model with YaRN RoPE scaling; max positions become factor x original."""
         if not (1 <= factor < math.inf) or int(original_max_position_embeddings) < 1:

@@ -76,10 +76,14 @@ def _rules(c) -> list[tuple[str, bool, str]]:
         ("seed", 0 <= c.seed < 2**32, "in [0, 2^32)"),
         (
             "yarn_factor",
-            c.yarn_factor == 0 or 1 <= c.yarn_factor < INF,
-            "0 (RoPE as configured) or >= 1, such as 32",
+            c.yarn_factor in (0, -1) or 1 <= c.yarn_factor < INF,
+            "0 (as configured), -1 (from the model's context to --seq-len) or >= 1, such as 32",
         ),
-        ("yarn_original", c.yarn_original >= 1, "a positive length such as 32768"),
+        (
+            "yarn_original",
+            c.yarn_original >= 0,
+            "0 (the model's native context) or a positive length such as 32768",
+        ),
         ("offload_min_bytes", c.offload_min_bytes >= 0, ">= 0"),
         ("tile_mlp", c.tile_mlp >= 0, "0 (untiled) or tokens per tile, such as 16384"),
         ("loss_chunk", c.loss_chunk >= 1, "a positive number of rows, such as 256"),
@@ -336,8 +340,10 @@ def resolve_model(
             f"--model {name!r}: no such directory, preset ({', '.join(sorted(MODEL_PRESETS))}) "
             f"or hub id (owner/name)"
         )
-    if mc is not None and cfg.yarn_factor:
-        mc = mc.with_yarn(cfg.yarn_factor, cfg.yarn_original)
+    if mc is not None and cfg.yarn_factor == -1:
+        mc = mc.yarn_to(cfg.seq_len)
+    elif mc is not None and cfg.yarn_factor:
+        mc = mc.with_yarn(cfg.yarn_factor, cfg.yarn_original or mc.native_context)
     return mc, path
 
 

@@ -57,9 +57,14 @@ class TrainConfig:
     )
     seed: int = arg(0, "seed of the init and the synthetic data")
     yarn_factor: float = arg(
-        0.0, "YaRN RoPE scaling factor; 0: RoPE as the model's config.json says"
+        0.0,
+        "YaRN RoPE scaling factor; 0: RoPE as the model's config.json says; -1: from the model's "
+        "native context to --seq-len (x32 for Qwen3's 32,768 at 1,048,576; x4 for Qwen3.5's "
+        "262,144)",
     )
-    yarn_original: int = arg(32768, "original_max_position_embeddings for --yarn-factor")
+    yarn_original: int = arg(
+        0, "original_max_position_embeddings for --yarn-factor; 0: the model's native context"
+    )
     offload: bool = arg(
         True,
         "layer inputs may wait in host memory (checkpoint-with-offload; the layout chooses which); "
@@ -243,7 +248,8 @@ class TrainConfig:
 
 PRESETS = {  # name: (its line in -h, its fields)
     "qwen3-8b-1m": (
-        "the public recipe's shape: Qwen3-8B on PG-19 rows of 1,048,576 tokens, YaRN x32, all GPUs",
+        "the public recipe's shape: Qwen3-8B on PG-19 rows of 1,048,576 tokens, YaRN from the "
+        "model's native context (x32 for Qwen3-8B), all GPUs",
         dict(
             model="Qwen/Qwen3-8B",
             data="pg19",
@@ -253,8 +259,7 @@ PRESETS = {  # name: (its line in -h, its fields)
             lr=1e-5,
             warmup_steps=2,
             dtype="bfloat16",
-            yarn_factor=32.0,
-            yarn_original=32768,
+            yarn_factor=-1.0,  # x32 over Qwen3's 32,768; --model a Qwen3.5: x4 over 262,144
             offload=True,
             tile_mlp=16384,
             loss_chunk=256,

@@ -257,3 +257,22 @@ def test_configs_and_refusals():
         Qwen3Config.from_hf({"model_type": "qwen3_next", "architectures": []})
     assert "sp=8 does not divide 4" in layout_problem(8, 8, 8, 8, 2, linear_key_heads=4)
     assert layout_problem(4, 4, 4, 4, 2, linear_key_heads=4) is None
+
+
+def test_the_recipe_scales_rope_from_the_models_own_context():
+    """--preset qwen3-8b-1m asks YaRN for 1,048,576 tokens from the model's native context: x32
+    over Qwen3's 32,768 (config.json says 40,960), x4 over 262,144 for Qwen3.5 and Qwen3-4B-2507."""
+    from run.checks import resolve_model
+    from run.train_config import PRESETS, TrainConfig
+
+    cfg = TrainConfig(**PRESETS["qwen3-8b-1m"][1])
+    for model, factor, native in (
+        ("qwen3-8b", 32, 32768),
+        ("qwen3.5-9b", 4, 262144),
+    ):
+        mc, _ = resolve_model(replace(cfg, model=model), download=False, weights=False)
+        assert (mc.yarn.factor, mc.yarn.original_max_position_embeddings) == (factor, native)
+    qwen3_2507 = replace(Qwen3Config.preset("qwen3-4b"), max_position_embeddings=262144)
+    assert qwen3_2507.yarn_to(1 << 20).yarn.factor == 4
+    assert Qwen3Config.preset("qwen3.5-9b").yarn_to(262144).yarn is None
+    assert TrainConfig().yarn_factor == 0  # without the preset RoPE stays as configured
