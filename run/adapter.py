@@ -5,7 +5,8 @@
     export_lora(model, cfg, spec, final, dtype=torch.bfloat16, tokenizer_dir=model_dir)
 
 The flags name the layers briefly: --lora-targets q,k,v,o,gate,up,down (the decoder's linear
-layers, q_proj ... down_proj) and --lora-train embed,norm,head (whole tensors that train too,
+layers, q_proj ... down_proj; a Qwen3.5's Gated DeltaNet layers add qkv,z,b,a,out: in_proj_qkv,
+in_proj_z, in_proj_b, in_proj_a, out_proj, PEFT's names for them) and --lora-train embed,norm,head (whole tensors that train too,
 PEFT's modules_to_save: the embedding, every RMSNorm, the output head). --lora-from DIR reads a
 PEFT adapter directory (this trainer's OUT/final or PEFT's save_pretrained): its
 adapter_config.json gives the rank, alpha, targets and trained tensors, and its values replace the
@@ -29,6 +30,12 @@ TARGETS = {
     "gate": "gate_proj",
     "up": "up_proj",
     "down": "down_proj",
+    # Qwen3.5's Gated DeltaNet layers (model/qwen3_5.py); a Qwen3 has none of them
+    "qkv": "in_proj_qkv",
+    "z": "in_proj_z",
+    "b": "in_proj_b",
+    "a": "in_proj_a",
+    "out": "out_proj",
 }
 DEFAULT_TARGETS = ",".join(TARGETS)  # --lora-targets' default: every linear layer of a decoder
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")

@@ -276,3 +276,48 @@ def test_the_recipe_scales_rope_from_the_models_own_context():
     assert qwen3_2507.yarn_to(1 << 20).yarn.factor == 4
     assert Qwen3Config.preset("qwen3.5-9b").yarn_to(262144).yarn is None
     assert TrainConfig().yarn_factor == 0  # without the preset RoPE stays as configured
+
+
+def test_lora_on_every_linear_matches_peft(tmp_path):
+    """LoRA on attention, the Gated DeltaNet projections and the MLP under PEFT's names: logits
+    and the adapters' gradients equal PEFT's LoraModel on transformers' Qwen3_5ForCausalLM."""
+    import peft
+
+    from model.lora import LoraLinear, LoraSpec, add_lora, init_lora
+    from run.adapter import DEFAULT_TARGETS, TARGETS
+
+    targets = tuple(TARGETS[t] for t in DEFAULT_TARGETS.split(","))
+    spec = LoraSpec(rank=4, alpha=8, targets=targets)
+    ref = hf_qwen3_5(TINY, seed=2)
+    ours = ours_from(ref, tmp_path)
+    add_lora(ours, spec)
+    init_lora(ours, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in ours.modules():
+            if isinstance(m, LoraLinear):  # B starts at zero: give it values that show
+                m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=gen) * 0.05)
+    lc = peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(targets))
+    theirs = peft.get_peft_model(ref, lc)
+    state = {
+        "base_model.model."
+        + k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
+        for k, v in ours.state_dict().items()
+        if "lora_" in k
+    }
+    adapted = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in state}
+    assert adapted == set(targets)  # every linear of both kinds of layer got adapters
+    assert not theirs.load_state_dict(state, strict=False).unexpected_keys
+    ids = torch.randint(0, TINY.vocab_size, (1, 90), generator=torch.Generator().manual_seed(3))
+    ours_logits, their_logits = ours.logits(ids), theirs(input_ids=ids).logits
+    assert (ours_logits - their_logits).abs().max().item() <= 1e-5
+    for logits in (ours_logits, their_logits):
+        F.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+    theirs_grads = {n: p.grad for n, p in theirs.named_parameters() if p.requires_grad}
+    scale = max(g.abs().max().item() for g in theirs_grads.values())
+    for n, p in ours.named_parameters():
+        if p.requires_grad:
+            key = "base_model.model." + n.replace(".lora_A.", ".lora_A.default.").replace(
+                ".lora_B.", ".lora_B.default."
+            )
+            assert (p.grad - theirs_grads[key]).abs().max().item() <= 1e-5 * scale, n
