@@ -14,7 +14,10 @@ computed or allocated, so two steps of Qwen3-8B at 1,048,576 tokens per row run 
 in minutes and a fraction of a GB. The "fake" process-group backend
 (torch.testing._internal.distributed.fake_pg) answers every collective at once, so one process
 stands in for rank 0 of the whole world: FSDP2 shards, gathers and reduce-scatters exactly as it
-would, and Ulysses' all-to-alls hand back buffers of the right shapes.
+would, and Ulysses' all-to-alls hand back buffers of the right shapes. What a fake tensor
+cannot say is answered here, not in the step or the pieces: HostReads answers train_step's reads
+to the host and the loss's label scan, ask_real_kernels asks the loss's kernel question on real
+tensors first.
 
 What is measured is memory/meter.py's count of live tensor storages (the same meter a real CPU
 step is checked with, and what torch.cuda.max_memory_allocated counts on a GPU), split by phase:
