@@ -158,7 +158,8 @@ class HostReads(TorchDispatchMode):
       * nonzero of a 1-D tensor finds every element: the loss's scan for ignored labels
         (loss/chunked_ce.py) finds none and takes its dense path, one [N] int64 index as when
         the caller says every label counts.
-    Everything else goes on to FakeTensorMode (and the meter and FLOP count below it)."""
+    StepRehearsal enters it below the meter, which counts what it hands back; everything else
+    goes on to FakeTensorMode."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -215,6 +216,8 @@ class StepRehearsal:
 
     def __enter__(self) -> StepRehearsal:
         ask_real_kernels(torch.device("cpu"))  # the device a rehearsal runs on
+        # Below the meter: it sees each op, and the line of code that made it, before the answer.
+        self.reads.__enter__()
         self.meter.start()
         self.meter.mark("forward")
         self._handles.append(self.model.register_forward_hook(self._after_forward))
@@ -223,7 +226,6 @@ class StepRehearsal:
         )
         if self.flops is not None:
             self.flops.__enter__()
-        self.reads.__enter__()  # innermost: sees each op first
         return self
 
     def _after_forward(self, module, args, output) -> None:
@@ -236,13 +238,13 @@ class StepRehearsal:
         return grad
 
     def __exit__(self, *exc) -> None:
-        self.reads.__exit__(*exc)
         if self.flops is not None:
             self.flops.__exit__(*exc)
             self.flops.remove_hooks()
         for h in self._handles:
             h.remove()
         self.meter.stop()
+        self.reads.__exit__(*exc)
 
 
 # ---- what only a GPU has -----------------------------------------------------------------------
