@@ -166,32 +166,7 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True, skip
     for n, parts in pieces.items():
         for key, _, rows in parts:
             wanted[key] = (key, (rows.stop - rows.start, *targets[n].shape[2:]))
-    missing = sorted(n for n, (src, _) in wanted.items() if src not in where)
-    read = {src for src, _ in wanted.values()}
-    # a multimodal checkpoint's vision tower and mtp head are not ours to read (nor unexpected)
-    unexpected = sorted(
-        k for k in where if k not in read and not (multimodal and outside_text_model(k))
-    )
-    misshaped = [
-        f"{n}: checkpoint {shapes[src]} vs model {shape}"
-        for n, (src, shape) in wanted.items()
-        if src in shapes and shapes[src] != shape
-    ]
-    if missing or unexpected or misshaped:
-        lines = [f"checkpoint {path!r} does not match the model ({type(model).__name__}):"]
-        for title, items in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("mis-shaped", misshaped),
-        ):
-            if items:
-                lines.append(
-                    f"  {title} ({len(items)}): "
-                    + ", ".join(items[:8])
-                    + (" ..." if len(items) > 8 else "")
-                )
-        lines.append("  Is config.json the one that belongs to these weights?")
-        raise ValueError("\n".join(lines))
+    _check_keys(path, model, where, wanted, shapes, multimodal)
 
     # Read file by file so each file is opened once; each tensor only in the rows we own.
     by_file = _reads_by_file(targets, sources, pieces, where)
@@ -219,6 +194,38 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True, skip
                     bar.update(1)
     bar.close()
     return stats
+
+
+def _check_keys(path, model, where, wanted, shapes, multimodal) -> None:
+    """Raise one error listing every missing, unexpected and mis-shaped tensor. wanted: our name
+    -> (its checkpoint key, the shape we hold); shapes: every checkpoint key's shape."""
+    missing = sorted(n for n, (src, _) in wanted.items() if src not in where)
+    read = {src for src, _ in wanted.values()}
+    # a multimodal checkpoint's vision tower and mtp head are not ours to read (nor unexpected)
+    unexpected = sorted(
+        k for k in where if k not in read and not (multimodal and outside_text_model(k))
+    )
+    misshaped = [
+        f"{n}: checkpoint {shapes[src]} vs model {shape}"
+        for n, (src, shape) in wanted.items()
+        if src in shapes and shapes[src] != shape
+    ]
+    if not (missing or unexpected or misshaped):
+        return
+    lines = [f"checkpoint {path!r} does not match the model ({type(model).__name__}):"]
+    for title, items in (
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("mis-shaped", misshaped),
+    ):
+        if items:
+            lines.append(
+                f"  {title} ({len(items)}): "
+                + ", ".join(items[:8])
+                + (" ..." if len(items) > 8 else "")
+            )
+    lines.append("  Is config.json the one that belongs to these weights?")
+    raise ValueError("\n".join(lines))
 
 
 def _reads_by_file(
@@ -274,14 +281,7 @@ def save_safetensors(
     # Plan the shards from sizes alone, so file names are known before anything is gathered.
     sizes = {name: t.numel() * dtype.itemsize for name, t in params.items()}
     sizes.update({key: nbytes for key, (_, nbytes) in extras.items()})
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, nbytes in sizes.items():
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
+    shards = _plan_shards(sizes, max_shard_bytes)
     n = len(shards)
     names = (
         [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -297,8 +297,7 @@ def save_safetensors(
             for name in shard:
                 if name in extras:  # the source's own bytes, on rank 0 only
                     if rank == 0:
-                        with safe_open(extras[name][0], framework="pt") as f:
-                            tensors[name] = f.get_tensor(name)
+                        tensors[name] = _read_tensor(extras[name][0], name)
                         total += extras[name][1]
                     continue
                 t = params[name]
@@ -326,21 +325,48 @@ def save_safetensors(
                 os.path.join(path, INDEX_NAME),
                 {"metadata": {"total_size": total}, "weight_map": weight_map},
             )
-        if multimodal:  # the source's config.json, which names the vision tower too
-            shutil.copyfile(
-                os.path.join(source_dir, "config.json"), os.path.join(path, "config.json")
-            )
-        elif config is not None and hasattr(config, "to_hf"):
-            hf = config.to_hf()
-            hf["torch_dtype"] = str(dtype).removeprefix("torch.")
-            _write_json(os.path.join(path, "config.json"), hf)
-        if tokenizer_dir and os.path.isdir(tokenizer_dir):
-            for f in TOKENIZER_FILES:
-                if os.path.isfile(os.path.join(tokenizer_dir, f)):
-                    shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(path, f))
+        config_source = os.path.join(source_dir, "config.json") if multimodal else None
+        _write_config(path, config, dtype, config_source)
+        _copy_tokenizer(tokenizer_dir, path)
     if sharded:  # everyone returns once the files exist, so any rank may read them next
         dist.barrier()
     return written
+
+
+def _read_tensor(file: str, key: str) -> torch.Tensor:
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _write_config(path: str, config, dtype: torch.dtype, source: str | None) -> None:
+    """config.json: the source's as it is (a multimodal Qwen3.5's names its vision tower too),
+    else the model's own config in transformers' layout."""
+    if source is not None:
+        shutil.copyfile(source, os.path.join(path, "config.json"))
+    elif config is not None and hasattr(config, "to_hf"):
+        hf = config.to_hf()
+        hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+        _write_json(os.path.join(path, "config.json"), hf)
+
+
+def _copy_tokenizer(tokenizer_dir: str | None, path: str) -> None:
+    if tokenizer_dir and os.path.isdir(tokenizer_dir):
+        for f in TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(tokenizer_dir, f)):
+                shutil.copyfile(os.path.join(tokenizer_dir, f), os.path.join(path, f))
+
+
+def _plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Names in order, cut into shards of at most max_shard_bytes (a larger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
 
 
 def multimodal_extras(source_dir: str | None) -> dict[str, tuple[str, int]]:

@@ -6,8 +6,9 @@
 
 The flags name the layers briefly: --lora-targets q,k,v,o,gate,up,down (the decoder's linear
 layers, q_proj ... down_proj; a Qwen3.5's Gated DeltaNet layers add qkv,z,b,a,out: in_proj_qkv,
-in_proj_z, in_proj_b, in_proj_a, out_proj, PEFT's names for them) and --lora-train embed,norm,head (whole tensors that train too,
-PEFT's modules_to_save: the embedding, every RMSNorm, the output head). --lora-from DIR reads a
+in_proj_z, in_proj_b, in_proj_a, out_proj, PEFT's names for them) and --lora-train
+embed,norm,head (whole tensors that train too, PEFT's modules_to_save: the embedding, every
+RMSNorm, the output head). --lora-from DIR reads a
 PEFT adapter directory (this trainer's OUT/final or PEFT's save_pretrained): its
 adapter_config.json gives the rank, alpha, targets and trained tensors, and its values replace the
 initial adapters. OUT/final is PEFT's adapter directory, or with --lora-merge the merged model in
@@ -39,6 +40,7 @@ TARGETS = {
 }
 DEFAULT_TARGETS = ",".join(TARGETS)  # --lora-targets' default: every linear layer of a decoder
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 TRAIN = {"embed": "embed_tokens", "norm": "norm", "head": "lm_head"}
 
 
@@ -129,7 +131,8 @@ def lora_note(cfg, mc) -> str | None:
     spec = lora_spec(cfg)
     if spec is None or not mc.num_experts:
         return None
-    attention = [k for k, v in TARGETS.items() if v in spec.targets and v not in MLP_TARGETS]
+    absent = MLP_TARGETS if mc.hybrid else MLP_TARGETS + LINEAR_ATTENTION_TARGETS
+    attention = [k for k, v in TARGETS.items() if v in spec.targets and v not in absent]
     mlp = [k for k, v in TARGETS.items() if v in spec.targets and v in MLP_TARGETS]
     dense = _dense_layers(mc)
     where = [f"{','.join(attention)} in every layer"] if attention else []

@@ -135,6 +135,7 @@ LAYOUTS = {  # name: (processes, flags, rows per step)
     "sp2-offload-tiled": (2, ["--sp", "2", "--offload", "--tile-mlp", "16"], 1),
     "sp4-kv-repeat": (4, ["--sp", "4"], 1),
     "dp2xsp2": (4, ["--sp", "2"], 2),
+    "sp2-cpu-offload": (2, ["--sp", "2", "--cpu-offload"], 1),
 }
 
 
@@ -321,3 +322,30 @@ def test_lora_on_every_linear_matches_peft(tmp_path):
                 ".lora_B.", ".lora_B.default."
             )
             assert (p.grad - theirs_grads[key]).abs().max().item() <= 1e-5 * scale, n
+
+
+@pytest.mark.slow
+def test_resume_on_another_layout_and_seeded_init(setup):
+    """Two steps on sp 2, then two more resumed on one process, equal an uninterrupted run (with
+    its held-out evaluations); a run from scratch starts from the same weights at sp 1 and 2."""
+    d, _ = setup
+    args = [
+        *["--model", str(d / "model"), "--data", f"tokens:{d / 'tokens.npy'}"],
+        *["--seq-len", "64", "--lr", "1e-2", "--warmup-steps", "1", "--dtype", "float32"],
+        *["--loss-chunk", "16", "--eval-every", "2", "--steps", "4"],
+    ]
+    run_train(2, *args, "--sp", "2", "--out", str(d / "straight"))
+    resumed = ["--out", str(d / "resumed"), "--save-every", "2"]
+    run_train(2, *args, *resumed, "--sp", "2", "--stop-after", "2")
+    run_train(1, *args, *resumed, "--sp", "1", "--resume", "auto")
+    straight, again = metrics(d / "straight"), metrics(d / "resumed")
+    assert len(again) == 4
+    for a, b in zip(straight, again, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+    scratch = ["--model", "qwen3.5-tiny", "--data", f"tokens:{d / 'tokens.npy'}"]
+    scratch += ["--seq-len", "64", "--steps", "1", "--dtype", "float32", "--eval-every", "0"]
+    run_train(1, *scratch, "--sp", "1", "--out", str(d / "scratch1"))
+    run_train(2, *scratch, "--sp", "2", "--out", str(d / "scratch2"))
+    one, two = metrics(d / "scratch1")[0], metrics(d / "scratch2")[0]
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
+    assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
