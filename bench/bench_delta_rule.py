@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 
 import torch
 
+import model.delta_rule as dr
 from bench.fresh_process import in_fresh_process
 from bench.table import table
 from bench.timer import measure
@@ -69,8 +70,9 @@ def contender(impl: str):
     return lambda *x: fn(*x, chunk_size=64, use_qk_l2norm_in_kernel=True)[0]
 
 
-def run_case(impl: str, t: int, shape: dict, min_time_s: float = 2.0) -> dict:
-    """One contender at one length in this process: time_s, peak_mb and the per-token figures."""
+def run_case(impl: str, t: int, shape: dict, block_chunks: int, min_time_s: float = 2.0) -> dict:
+    """One contender at one length in this process: time, peaks, and the per-token figures."""
+    dr.BLOCK_CHUNKS = block_chunks
     inputs = make_inputs(t, **shape)
     fn = contender(impl)
 
@@ -97,9 +99,11 @@ def run_case(impl: str, t: int, shape: dict, min_time_s: float = 2.0) -> dict:
     }
 
 
-def best_of(impl: str, t: int, rounds: int) -> dict:
+def best_of(impl: str, t: int, rounds: int, block_chunks: int) -> dict:
     """The fastest time and the largest resident peak over `rounds` fresh processes."""
-    runs = [in_fresh_process(run_case, impl, t, SHAPE, timeout=900) for _ in range(rounds)]
+    runs = [
+        in_fresh_process(run_case, impl, t, SHAPE, block_chunks, timeout=900) for _ in range(rounds)
+    ]
     ok = [r for r in runs if "error" not in r]
     if not ok:
         return {"impl": impl, "T": t, **runs[0]}
@@ -118,6 +122,7 @@ def main() -> None:
     ap.add_argument("--theirs", default=None, help=f"T for transformers' ({THEIRS}; '' for none)")
     ap.add_argument("--rounds", type=int, default=1, help="fresh processes per case")
     ap.add_argument("--quick", action="store_true", help=f"T = {QUICK_LENGTHS}: a check")
+    ap.add_argument("--block-chunks", type=int, default=dr.BLOCK_CHUNKS, help="chunks per block")
     ap.add_argument("--json", default=None, help="also write every result here")
     a = ap.parse_args()
     lengths = a.lengths or (QUICK_LENGTHS if a.quick else LENGTHS)
@@ -125,8 +130,9 @@ def main() -> None:
     ours_t = [int(x) for x in lengths.split(",")]
     theirs_t = [int(x) for x in theirs.split(",") if x]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, shape {SHAPE}")
-    ours = [best_of("ours", t, a.rounds) for t in ours_t]
-    hf = [best_of("transformers", t, a.rounds) for t in theirs_t]
+    print(f"ours: chunk 64, {a.block_chunks} chunks a block ({64 * a.block_chunks} tokens)")
+    ours = [best_of("ours", t, a.rounds, a.block_chunks) for t in ours_t]
+    hf = [best_of("transformers", t, a.rounds, a.block_chunks) for t in theirs_t]
     print(table(ours + hf, {**COLUMNS, "error": ""}))
     ok = [r for r in ours if "error" not in r]
     if len(ok) > 1:
