@@ -235,3 +235,14 @@ def test_refuses_bad_documents_and_shapes():
         gated_delta_rule(q, k, v, g, beta, doc_lens=(20, 0))
     with pytest.raises(ValueError, match="multiple"):
         gated_delta_rule(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3])
+
+
+def test_benchmark_case_runs():
+    """bench/bench_delta_rule.py's case in this process at a small shape: it runs and counts the
+    output and the gradients in its live peak (no timing is checked)."""
+    from bench.bench_delta_rule import run_case
+
+    shape = {"b": 1, "hk": 1, "hv": 2, "dk": 16, "dv": 16}
+    r = run_case("ours", 512, shape, dr.BLOCK_CHUNKS, min_time_s=0.0)
+    out_and_grads = 512 * (2 * 1 * 16 + 2 * 2 * 16 + 2 * 2) * 4  # out, dq, dk, dv, dg, dbeta
+    assert r["live_peak_mb"] * 1e6 >= out_and_grads and r["time_s"] > 0
