@@ -23,47 +23,8 @@ beta_t in (0, 1), and unit-norm k_t:
 that is S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T. recurrent_gated_delta_rule
 runs this one token at a time: readable, exact, slow.
 
-The chunk form. Take a chunk of C tokens with start state S_0 and gam_i = g_1 + ... + g_i (the
-log-decay from the chunk's start through token i). Write the delta of token j as
-u_j = beta_j (v_j - S'_j^T k_j), S'_j the decayed state it reads. Then every state in the
-chunk is the decayed start state plus decayed rank-one writes,
-
-    S_i = exp(gam_i) S_0 + sum_{j <= i} exp(gam_i - gam_j) k_j u_j^T,
-
-and putting S'_j = exp(gam_j) S_0 + sum_{l < j} exp(gam_j - gam_l) k_l u_l^T into u_j gives
-one lower-triangular system for the C deltas U [C, dv] (rows u_j):
-
-    (I + A) U = V_b - K_bg S_0,      A[j, l] = beta_j (k_j . k_l) exp(gam_j - gam_l), l < j
-                                     V_b = rows beta_j v_j,  K_bg = rows beta_j exp(gam_j) k_j
-
-I + A is unit lower triangular: one triangular solve (the UT transform) gives (I + A)^-1, and
-two products W_v = (I + A)^-1 V_b and W_k = (I + A)^-1 K_bg, both independent of S_0, for every
-chunk at once.
-What still needs the state is a few [C, dk] x [dk, dv] products per chunk:
-
-    U     = W_v - W_k S_0
-    O     = (exp(gam) * Q) S_0 + (Q K^T * D) U      D[i, j] = exp(gam_i - gam_j) for j <= i, else 0
-    S_C   = exp(gam_C) S_0 + (exp(gam_C - gam) * K)^T U
-
-Every exponent is <= 0 (entries above the diagonal are masked to -inf before exp), so nothing
-overflows; a long strongly decaying chunk underflows to 0, which is the right value.
-
-Blocks of chunks bound the memory. Autograd through the chunk loop would keep every chunk's
-intermediates (C x C matrices, deltas, and the state before each chunk) for the whole row. The
-autograd.Function here runs the forward under no_grad in blocks of BLOCK_CHUNKS chunks (16 x 64 =
-1,024 tokens by default) and keeps for backward only its inputs and the state at each block's
-start ([B, Hv, dk, dv] each: T / 1,024 of them). Backward walks the blocks in reverse: it
-recomputes one block's forward with autograd from its saved start state, backpropagates the
-output gradient's slice and the gradient of the block's end state through it, and hands the
-start state's gradient to the block before. Exact (the same arithmetic twice), one block's
-intermediates alive at a time, and one extra forward in all.
-
-Documents. With doc_lens (token counts summing to T, the same for every row of the batch), the
-state restarts from zero at each document; the first document starts from initial_state (zero
-without one), and the final state is the last document's. A block is split at the document
-starts inside it and each piece runs the chunk form on its own, chunks restarting at the piece's
-start. That is exact but costs a Python-level pass per document: many short documents are slow
-(a vectorised treatment of short documents would batch them).
+The derivation of the chunk form, why blocks of chunks bound memory, and how documents
+restart the state: the comment below the imports.
 """
 
 from __future__ import annotations
@@ -72,6 +33,48 @@ import bisect
 from collections.abc import Sequence
 
 import torch
+
+# The chunk form. Take a chunk of C tokens with start state S_0 and gam_i = g_1 + ... + g_i (the
+# log-decay from the chunk's start through token i). Write the delta of token j as
+# u_j = beta_j (v_j - S'_j^T k_j), S'_j the decayed state it reads. Then every state in the
+# chunk is the decayed start state plus decayed rank-one writes,
+#
+#     S_i = exp(gam_i) S_0 + sum_{j <= i} exp(gam_i - gam_j) k_j u_j^T,
+#
+# and putting S'_j = exp(gam_j) S_0 + sum_{l < j} exp(gam_j - gam_l) k_l u_l^T into u_j gives
+# one lower-triangular system for the C deltas U [C, dv] (rows u_j):
+#
+#     (I + A) U = V_b - K_bg S_0,      A[j, l] = beta_j (k_j . k_l) exp(gam_j - gam_l), l < j
+#                                      V_b = rows beta_j v_j,  K_bg = rows beta_j exp(gam_j) k_j
+#
+# I + A is unit lower triangular: one triangular solve (the UT transform) gives (I + A)^-1, and
+# two products W_v = (I + A)^-1 V_b and W_k = (I + A)^-1 K_bg, both independent of S_0, for every
+# chunk at once.
+# What still needs the state is a few [C, dk] x [dk, dv] products per chunk:
+#
+#     U     = W_v - W_k S_0
+#     O     = (exp(gam) * Q) S_0 + (Q K^T * D) U     D[i, j] = exp(gam_i - gam_j), j <= i; else 0
+#     S_C   = exp(gam_C) S_0 + (exp(gam_C - gam) * K)^T U
+#
+# Every exponent is <= 0 (entries above the diagonal are masked to -inf before exp), so nothing
+# overflows; a long strongly decaying chunk underflows to 0, which is the right value.
+#
+# Blocks of chunks bound the memory. Autograd through the chunk loop would keep every chunk's
+# intermediates (C x C matrices, deltas, and the state before each chunk) for the whole row. The
+# autograd.Function here runs the forward under no_grad in blocks of BLOCK_CHUNKS chunks (16 x 64 =
+# 1,024 tokens by default) and keeps for backward only its inputs and the state at each block's
+# start ([B, Hv, dk, dv] each: T / 1,024 of them). Backward walks the blocks in reverse: it
+# recomputes one block's forward with autograd from its saved start state, backpropagates the
+# output gradient's slice and the gradient of the block's end state through it, and hands the
+# start state's gradient to the block before. Exact (the same arithmetic twice), one block's
+# intermediates alive at a time, and one extra forward in all.
+#
+# Documents. With doc_lens (token counts summing to T, the same for every row of the batch), the
+# state restarts from zero at each document; the first document starts from initial_state (zero
+# without one), and the final state is the last document's. A block is split at the document
+# starts inside it and each piece runs the chunk form on its own, chunks restarting at the piece's
+# start. That is exact but costs a Python-level pass per document: many short documents are slow
+# (a vectorised treatment of short documents would batch them).
 
 __all__ = ["BLOCK_CHUNKS", "gated_delta_rule", "recurrent_gated_delta_rule"]
 
