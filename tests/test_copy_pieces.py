@@ -241,6 +241,32 @@ result["got"] = {"loss": result.pop("ns")["loss"].detach(), "grads": grads(model
 result["batch"], result["intermediate"] = tuple(input_ids.shape), model.config.intermediate_size
 done(result)
 """,
+    "delta_rule": r"""
+import transformers
+
+
+def tiny_qwen3_5(seed=0):
+    config = transformers.Qwen3_5TextConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    torch.manual_seed(seed)
+    model = transformers.Qwen3_5ForCausalLM(config).float()
+    with torch.no_grad():  # decays and step sizes off their initial values
+        for n, p in model.named_parameters():
+            if n.endswith(("A_log", "dt_bias", "norm.weight")):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+input_ids = ids(2, 150)  # over two 64-token chunks, not a multiple of one
+ref = reference(tiny_qwen3_5(), input_ids)
+model = tiny_qwen3_5()
+ns = snippet(model=model, input_ids=input_ids)
+done({"ref": ref, "got": {"loss": ns["loss"].detach(), "grads": grads(model)}})
+""",
     "ulysses": r"""
 HEADS = [(8, 2), (4, 4), (4, 1)]  # (query, kv) heads: kv repeated where sp exceeds them
 
@@ -334,7 +360,7 @@ def assert_same(case: str, got: dict, ref: dict) -> None:
 
 def test_pieces_page_names_each_piece_once_with_files_that_exist():
     pieces = page_pieces()
-    assert sorted(pieces) == ["loss", "offload", "tiled_mlp", "ulysses"]
+    assert sorted(pieces) == ["delta_rule", "loss", "offload", "tiled_mlp", "ulysses"]
     for name, (files, snippet) in pieces.items():
         assert all(os.path.exists(os.path.join(ROOT, f)) for f in files), (name, files)
         assert len(textwrap.dedent(snippet).strip().splitlines()) <= 15, name
@@ -396,6 +422,17 @@ def test_tiled_mlp_copied_alone(server, tmp_path):
 
 
 @pytest.mark.slow
+def test_delta_rule_copied_alone(server, tmp_path):
+    """transformers' Qwen3.5 with its chunked delta rule replaced by ours: its own loss and
+    gradients. Within 1e-4 rather than REL: transformers runs its rule in fp32 whatever the
+    model's dtype, so the small gradients of the decays (A_log, dt_bias) carry its rounding."""
+    r = run_piece(server, tmp_path, "delta_rule")
+    assert abs(r["got"]["loss"].item() - r["ref"]["loss"].item()) <= REL * r["ref"]["loss"].item()
+    for n, g0 in r["ref"]["grads"].items():
+        diff = (r["got"]["grads"][n] - g0).norm().item()
+        assert diff <= 1e-4 * g0.norm().item(), f"{n} off by {diff / g0.norm().item():.2e}"
+
+
 def test_ulysses_copied_alone(server, tmp_path):
     """transformers' Qwen3 with its row split over 2 and 4 gloo ranks, kv heads split, repeated
     (fewer than sp) or one per query head: the loss and gradients of the model in one process."""
