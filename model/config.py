@@ -77,6 +77,9 @@ class Qwen3Config:
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     router_aux_loss_coef: float = 0.001  # the load-balancing loss's weight when it is on
+    # Qwen3.5 MoE: a shared expert (SwiGLU of this size) beside the routed ones, in every sparse
+    # layer, its output scaled by sigmoid(shared_expert_gate(x)); 0: none (Qwen3-MoE)
+    shared_expert_intermediate_size: int = 0
     # Qwen3.5 / Qwen3.6 (model/qwen3_5.py); layer_types () is a Qwen3. Gated DeltaNet layers:
     layer_types: tuple[str, ...] = ()  # "linear_attention" or "full_attention", one per layer
     linear_num_key_heads: int = 0  # q and k heads of the delta rule (16 in every real Qwen3.5)
@@ -217,7 +220,9 @@ class Qwen3Config:
         """Parameters of one sparse block: the router and `experts` experts (all by default)."""
         experts = self.num_experts if experts is None else experts
         h = self.hidden_size
-        return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
+        shared = self.shared_expert_intermediate_size
+        shared_params = 3 * h * shared + h if shared else 0  # its SwiGLU and its gate [1, h]
+        return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size + shared_params
 
     # ---- presets ------------------------------------------------------------------------
     @classmethod
@@ -340,10 +345,12 @@ class Qwen3Config:
             )
 
         hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        # a Qwen3.5 MoE has no dense MLP: its (unused) size is the experts'
+        intermediate = d.get("intermediate_size") or d.get("moe_intermediate_size")
         return cls(
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(d["intermediate_size"]),
+            intermediate_size=int(intermediate),
             num_hidden_layers=int(d["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
@@ -402,6 +409,14 @@ class Qwen3Config:
             )
         if self.hybrid:
             d.update(self._hybrid_hf())
+        if self.hybrid and self.num_experts:
+            d.update(
+                architectures=["Qwen3_5MoeForCausalLM"],
+                model_type="qwen3_5_moe_text",
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            )
+            for key in ("norm_topk_prob", "decoder_sparse_step", "output_router_logits"):
+                d.pop(key, None)  # not Qwen3.5 MoE fields: every layer sparse, always renormalised
         if self.yarn is not None:
             y = asdict(self.yarn)
             d["rope_scaling"] = {
@@ -440,7 +455,18 @@ def _first(x):
 
 def _moe_fields(d: dict[str, Any]) -> dict[str, Any]:
     """The mixture-of-experts fields of a qwen3_moe config.json (transformers 5 writes the
-    number of experts as num_local_experts), transformers' defaults where absent."""
+    number of experts as num_local_experts), transformers' defaults where absent; a Qwen3.5
+    MoE's too: every layer sparse, the chosen experts always renormalised, a shared expert."""
+    if d.get("model_type") == "qwen3_5_moe_text":
+        return dict(
+            num_experts=int(d.get("num_experts", 256)),
+            num_experts_per_tok=int(d.get("num_experts_per_tok", 8)),
+            moe_intermediate_size=int(d.get("moe_intermediate_size", 512)),
+            norm_topk_prob=True,  # transformers' Qwen3_5MoeTopKRouter renormalises always
+            mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
+            router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.001)),
+            shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size", 512)),
+        )
     if d.get("model_type") != "qwen3_moe":
         return {}
     return dict(
@@ -470,7 +496,7 @@ def _hybrid_fields(d: dict[str, Any], rope: dict[str, Any]) -> dict[str, Any]:
     """A Qwen3.5 text config's layer kinds and Gated DeltaNet fields; {} for a Qwen3. Layer i is
     full attention every full_attention_interval layers (the 4th, 8th, ...) unless layer_types
     lists the kinds."""
-    if d.get("model_type") != "qwen3_5_text":
+    if d.get("model_type") not in HYBRID:
         return {}
     n = int(d["num_hidden_layers"])
     types = d.get("layer_types")
@@ -494,12 +520,14 @@ KNOWN = {  # model_type: class
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
-MULTIMODAL = {"qwen3_5": "qwen3_5_text"}  # a checkpoint's outer model_type: its text model's
+HYBRID = ("qwen3_5_text", "qwen3_5_moe_text")  # text model types of the Qwen3.5 family
+MOE = ("qwen3_moe", "qwen3_5_moe_text")  # ... and those with experts
+# a checkpoint's outer model_type: its text model's
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 NOT_YET = {  # model types refused by name, with what to use instead
-    "qwen3_next": "Qwen3-Next (mixture of experts on hybrid layers) is not supported yet",
-    "qwen3_5_moe": "Qwen3.5 / Qwen3.6 mixture of experts is not supported yet",
-    "qwen3_5_moe_text": "Qwen3.5 / Qwen3.6 mixture of experts is not supported yet",
+    "qwen3_next": "Qwen3-Next (its own hybrid layers and 512 experts) is not supported yet",
 }
 
 
@@ -508,19 +536,19 @@ def _refuse_unsupported(d: dict[str, Any], where: str) -> None:
     archs = d.get("architectures") or []
     if model_type in NOT_YET:
         raise ConfigError(
-            f"{where}: model_type={model_type!r}: {NOT_YET[model_type]}; dense Qwen3, Qwen3-MoE "
-            f"and dense Qwen3.5 / Qwen3.6 (such as Qwen/Qwen3.5-9B) run"
+            f"{where}: model_type={model_type!r}: {NOT_YET[model_type]}; Qwen3, Qwen3-MoE, "
+            f"Qwen3.5 and Qwen3.6 (dense and MoE) run"
         )
     arch = KNOWN.get(model_type or "qwen3")
     if arch is None or any(a != arch for a in archs):
         raise ConfigError(
             f"{where}: model_type={model_type!r}, architectures={archs} is not a Qwen3 or a "
-            f"dense Qwen3.5 (model_type 'qwen3', 'qwen3_moe', 'qwen3_5' or 'qwen3_5_text'); "
-            f"this trainer runs models such as Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3.5-9B"
+            f"Qwen3.5 (model_type {', '.join(repr(t) for t in [*KNOWN, *MULTIMODAL])}); this "
+            f"trainer runs models such as Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B, Qwen/Qwen3.5-9B"
         )
-    if model_type == "qwen3_moe" and not (d.get("num_experts") or d.get("num_local_experts")):
-        raise ConfigError(f"{where}: a qwen3_moe config without num_experts")
-    if model_type != "qwen3_moe" and (d.get("num_experts") or d.get("num_local_experts")):
+    if model_type in MOE and not (d.get("num_experts") or d.get("num_local_experts")):
+        raise ConfigError(f"{where}: a {model_type} config without num_experts")
+    if model_type not in MOE and (d.get("num_experts") or d.get("num_local_experts")):
         raise ConfigError(
             f"{where}: experts in a config whose model_type is not 'qwen3_moe'; "
             f"mixture-of-experts models other than Qwen3-MoE are not supported"
@@ -538,7 +566,7 @@ def _refuse_unsupported(d: dict[str, Any], where: str) -> None:
         for k in (
             "vocab_size",
             "hidden_size",
-            "intermediate_size",
+            "intermediate_size" if model_type != "qwen3_5_moe_text" else "moe_intermediate_size",
             "num_hidden_layers",
             "num_attention_heads",
         )

@@ -32,12 +32,15 @@ head (GatedDeltaNet.pack); model/ulysses.py swaps in an all-to-all around `block
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.config import Qwen3Config
 from model.delta_rule import gated_delta_rule
+from model.moe import Experts, SparseMoeBlock
 from model.qwen3 import MLP, causal_attention, rope_cos_sin, rotate_half
 from model.seeded_init import block_seed, local_rows, seeded_normal_
 
@@ -261,6 +264,26 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(B, T, self.nv * self.dv))
 
 
+class SharedExpertMoe(SparseMoeBlock):
+    """Qwen3.5 MoE's sparse block (transformers' Qwen3_5MoeSparseMoeBlock): model/moe.py's
+    routed experts (fp32 softmax, top-k, always renormalised, dropless, tiled), plus a shared
+    expert every token goes through, scaled by sigmoid(shared_expert_gate(x)):
+        y = routed(x) + sigmoid(x @ w_gate^T) * SwiGLU_shared(x)."""
+
+    def __init__(self, config: Qwen3Config):
+        c = config
+        super().__init__(
+            c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok, True
+        )
+        shared = dataclasses.replace(c, intermediate_size=c.shared_expert_intermediate_size)
+        self.shared_expert = MLP(shared)
+        self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = super().forward(x)  # [B, T, hidden]
+        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+
 class HybridLayer(nn.Module):
     def __init__(self, config: Qwen3Config, index: int):
         super().__init__()
@@ -270,7 +293,7 @@ class HybridLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(config)
         self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = SharedExpertMoe(config) if config.is_sparse_layer(index) else MLP(config)
 
     def forward(self, x, cos, sin, doc_lens=None) -> torch.Tensor:
         normed = self.input_layernorm(x)
@@ -335,6 +358,7 @@ class Qwen3_5(nn.Module):
         Every draw depends only on (seed, name), as model/qwen3.py's does."""
         seed = torch.initial_seed() if seed is None else seed
         std = self.config.initializer_range
+        stacked = {id(p) for m in self.modules() if isinstance(m, Experts) for p in m.parameters()}
         for name, p in self.named_parameters():  # a tied lm_head once, as model.embed_tokens
             kind = name.rsplit(".", 1)[-1]
             if name.endswith("norm.weight") and ".linear_attn.norm" not in name:
@@ -346,7 +370,7 @@ class Qwen3_5(nn.Module):
                 gen = torch.Generator().manual_seed(block_seed(seed, name, 0))
                 full = torch.empty(rows).uniform_(0.01, 16, generator=gen).log_()
                 local.copy_(full[start : start + local.shape[0]])
-            elif kind == "weight":
+            elif kind == "weight" or id(p) in stacked:
                 seeded_normal_(p, seed=seed, name=name, std=std)
             else:
                 raise TypeError(f"init_weights has no rule for parameter {name}")
