@@ -160,8 +160,13 @@ def load_safetensors(model: nn.Module, path: str, *, progress: bool = True, skip
     if tied and "lm_head.weight" not in where:  # tied files omit lm_head
         sources["lm_head.weight"] = checkpoint_key("model.embed_tokens.weight", multimodal)
     # Stacked experts from one tensor per expert (model/moe.py), unless the file stacks them too.
-    pieces = {n: expert_pieces(n, targets[n].shape) for n in targets if n not in where}
-    pieces = {n: p for n, p in pieces.items() if p is not None}
+    stacked_in_file = {n for n, src in sources.items() if src in where}
+    pieces = {n: expert_pieces(n, targets[n].shape) for n in targets if n not in stacked_in_file}
+    pieces = {  # each piece under its key in this checkpoint's layout
+        n: [(checkpoint_key(key, multimodal), e, rows) for key, e, rows in p]
+        for n, p in pieces.items()
+        if p is not None
+    }
     wanted = {n: (src, tuple(targets[n].shape)) for n, src in sources.items() if n not in pieces}
     for n, parts in pieces.items():
         for key, _, rows in parts:

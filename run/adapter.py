@@ -111,11 +111,12 @@ def _dense_layers(mc) -> int:
 
 def check_moe_targets(cfg, mc, spec: LoraSpec) -> None:
     """A mixture of experts: the experts (stacked tensors) and the router take no adapters, so
-    gate/up/down adapt only the dense layers' MLPs. Named on a model without one, or when
-    nothing else is targeted, they are refused; the default targets just pass them over."""
+    gate/up/down adapt only the dense layers' MLPs (and a Qwen3.5 MoE's shared experts). Named
+    on a model without one, or when nothing else is targeted, they are refused; the default
+    targets just pass them over."""
     mlp = [t for t in spec.targets if t in MLP_TARGETS]
-    if not mlp or _dense_layers(mc):
-        return
+    if not mlp or _dense_layers(mc) or mc.shared_expert_intermediate_size:
+        return  # a dense MLP, or a Qwen3.5 MoE's shared expert, takes them
     typed = not cfg.lora_from and cfg.lora_targets != DEFAULT_TARGETS
     if typed or len(mlp) == len(spec.targets):
         names = ",".join(k for k, v in TARGETS.items() if v in mlp)
@@ -138,6 +139,8 @@ def lora_note(cfg, mc) -> str | None:
     where = [f"{','.join(attention)} in every layer"] if attention else []
     if mlp and dense:
         where.append(f"{','.join(mlp)} in the {dense} dense layer{'s' * (dense > 1)}")
+    if mlp and mc.shared_expert_intermediate_size:
+        where.append(f"{','.join(mlp)} in every layer's shared expert")
     return (
         f"LoRA: adapters on {' and '.join(where)}; the experts and the router of the "
         f"{mc.sparse_layers} mixture-of-experts layers are not adapted (frozen)"

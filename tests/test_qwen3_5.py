@@ -176,7 +176,7 @@ def test_documents_match_transformers_per_document(setup):
         assert m["grad_norm"] == pytest.approx(norm, rel=1e-6)
 
 
-def multimodal_checkpoint(path, cfg: Qwen3Config) -> None:
+def multimodal_checkpoint(path, cfg: Qwen3Config, moe: bool = False) -> None:
     """A tiny released-style Qwen3.5: transformers' Qwen3_5ForConditionalGeneration (text model
     under model.language_model., a vision tower) plus a multi-token prediction head's tensors in
     a file of their own, as real checkpoints carry (transformers does not model mtp)."""
@@ -190,12 +190,15 @@ def multimodal_checkpoint(path, cfg: Qwen3Config) -> None:
         patch_size=4,
         num_position_embeddings=16,
     )
-    config = transformers.Qwen3_5Config(
+    kinds = (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration)
+    if moe:
+        kinds = (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)
+    config = kinds[0](
         text_config=text_config(cfg),
         vision_config=vision,
         tie_word_embeddings=cfg.tie_word_embeddings,
     )
-    model = transformers.Qwen3_5ForConditionalGeneration(config)
+    model = kinds[1](config)
     perturb(model, 5)
     model.save_pretrained(str(path))
     mtp = {"mtp.fc.weight": torch.randn(cfg.hidden_size, 2 * cfg.hidden_size)}
