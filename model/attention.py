@@ -321,6 +321,22 @@ def backward_workspace_bytes(tokens: int, heads: int, head_dim: int, batch: int 
     return batch * rounded_t * heads * (rounded_d + 1) * 4
 
 
+# flash's variable-length backward (mha_varlen_bwd) keeps 128 rows between documents in its fp32
+# dq accumulator and softmax delta: the largest block along the queries, so no bounds checks
+VARLEN_PAD_ROWS = 128
+
+
+def varlen_backward_workspace_bytes(tokens: int, documents: int, heads: int, head_dim: int) -> int:
+    """What flash's variable-length backward allocates inside itself for `documents` documents of
+    `tokens` tokens in all, on `heads` query heads: the fp32 dq accumulator [tokens + 128 x
+    documents, heads, head_dim rounded up to 32] and softmax delta [heads, tokens + 128 x
+    documents]. The 128 rows are per document: Qwen3-8B at sp 8 (4 heads of 128) pays 264,192
+    bytes (258 KiB) a document. Its dk and dv expanded to the query heads (when they outnumber
+    the kv heads) come on top, [tokens, heads, head_dim] each in the compute dtype."""
+    rounded_d = math.ceil(head_dim / 32) * 32
+    return (tokens + VARLEN_PAD_ROWS * documents) * heads * (rounded_d + 1) * 4
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward (out, lse) and backward (q, k, v, out, lse) of each backend; tensors are [B, heads, T, hd]
 # ---------------------------------------------------------------------------------------------
