@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 __all__ = [
@@ -558,13 +559,32 @@ def _documents_backward(ctx, dout, q, k, v, out, lse):
     return _segments_backward(ctx, dout, q, k, v, out, lse)
 
 
+# The row's cumulative lengths: (key, pinned host tensor, device tensor) of the last row seen.
+# Every layer's call, each recompute and each backward of that row take the same device tensor;
+# the host one stays referenced until the next row, so its copy cannot be overwritten in flight.
+_ROW_LENGTHS: list = []
+
+
 def cumulative_lengths(doc_lens, batch: int, device) -> torch.Tensor:
     """int32 [batch * documents + 1]: where each document of each row starts in the rows laid end
-    to end, then the total (flash's cum_seq_q / cum_seq_k). Empty documents are dropped."""
+    to end, then the total (flash's cum_seq_q / cum_seq_k). Empty documents are dropped. Built
+    once a row: in pinned host memory on CUDA, copied without blocking (a copy from pageable
+    memory would wait for the GPU, every layer), and handed back to every call with the same
+    row until another row comes."""
+    device = torch.device(device)
+    key = (tuple(doc_lens), batch, device, detect_fake_mode())  # a rehearsal's: its own tensor
+    if _ROW_LENGTHS and _ROW_LENGTHS[0] == key:
+        return _ROW_LENGTHS[2]
     lens = [n for n in doc_lens if n > 0] * batch
-    cum = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cum[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
-    return cum.to(device)
+    host = torch.zeros(len(lens) + 1, dtype=torch.int32, pin_memory=device.type == "cuda")
+    host[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    _ROW_LENGTHS[:] = [key, host, _lengths_to_device(host, device)]
+    return _ROW_LENGTHS[2]
+
+
+def _lengths_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The one host-to-device copy of a row's cumulative lengths."""
+    return host.to(device, non_blocking=True)
 
 
 def _packed(t):

@@ -406,3 +406,34 @@ def test_the_plan_counts_the_varlen_backward_a_gpu_runs_documents_on():
     attn = max((m for m in p.moments if m.name == "attention backward"), key=lambda m: m.bytes)
     assert attn.working[Buffer.DOCUMENTS_PADDING] == 4096 * 264_192
     assert attn.working[Buffer.FLASH_GQA_GRADS] == 2 * 2**30
+
+
+def test_a_rows_cumulative_lengths_are_copied_to_the_device_once(flash_reference, monkeypatch):
+    """The cumulative lengths go to the device once a row (on CUDA from pinned memory, without
+    blocking): every layer's forward, a recompute that runs attention again and one that takes
+    it from attention once, and every backward take the same tensor. Two rows, two layers each
+    way, and a repeat of the second row's lengths: two copies."""
+    from model.checkpoint_offload import LayerPlacement, apply_offload
+
+    copies = []
+    real = attention_module._lengths_to_device
+    monkeypatch.setattr(
+        attention_module, "_lengths_to_device", lambda h, d: copies.append(h.tolist()) or real(h, d)
+    )
+    monkeypatch.setattr(attention_module, "_PINNED", "math")
+    monkeypatch.setattr(attention_module, "_DOCUMENTS_PINNED", "varlen")
+    monkeypatch.setattr(attention_module, "_ROW_LENGTHS", [])
+    cfg = dataclasses.replace(CFG, num_hidden_layers=4)
+    torch.manual_seed(0)
+    model = Qwen3(cfg).double()
+    recompute, keep = LayerPlacement("device", "recompute"), LayerPlacement("device", "device")
+    apply_offload(model, offload=False, placements=[recompute, keep, recompute, keep])
+    rows = [(5, 1, 10), (3, 13), (3, 13)]
+    for lens in rows:
+        positions = torch.cat([torch.arange(n) for n in lens])[None]
+        model(torch.ones_like(positions), positions, doc_lens=lens).sum().backward()
+    assert copies == [[0, 5, 6, 16], [0, 3, 16]]
+    layers = cfg.num_hidden_layers
+    # each layer's forward once, the two recomputed layers' again; a backward per layer and row
+    assert flash_reference.forwards == len(rows) * (layers + 2)
+    assert flash_reference.backwards == len(rows) * layers
