@@ -99,17 +99,13 @@ def next_micro_batch(loader: RowLoader, loss_on: str) -> dict[str, torch.Tensor]
 def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) -> StepResult:
     """One optimizer step over `micro_batches` (this rank's slices of grad_accum rows).
 
-    With cfg.rehearse the step runs on fake tensors, which have shapes but no values: it reads
-    nothing back to the host (loss and norm come back as NaN, and it always steps), and takes
-    every label to count, so the loss has no ignored rows to look for."""
-    values = not cfg.rehearse
+    After backward it reads four numbers to the host: the step's label count, its loss, MoE's
+    router loss and the grad norm. --rehearse runs it as written on fake tensors, which have no
+    values: memory/rehearsal.py's HostReads answers those reads (and the loss's label scan)."""
     # The loss is the sum over the step's counted labels divided by their count over all ranks
     # and micro-batches: FSDP2 sums gradients over ranks (model/parallel.py), so each rank's
     # backward must already carry the global denominator.
-    if values:
-        counts = [(b["labels"] != IGNORE).sum() for b in micro_batches]
-    else:
-        counts = [torch.tensor(b["labels"].numel()) for b in micro_batches]
+    counts = [(b["labels"] != IGNORE).sum() for b in micro_batches]
     count = torch.stack(counts).sum().to(torch.float64)
     dist.all_reduce(count)
     counted = count.clone()  # 0: no label counts in this step's rows on any rank
@@ -129,7 +125,7 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
             model.lm_head.weight,
             batch["labels"].flatten(),  # [T/sp]
             chunk_size=cfg.loss_chunk,
-            ignore_index=IGNORE if values else None,
+            ignore_index=IGNORE,
             reduction="sum",
         )
         # The loss made its gradient for `hidden` in forward; holding `hidden` through backward
@@ -140,20 +136,16 @@ def train_step(model, optimizer, micro_batches: list[dict], cfg: TrainConfig) ->
     dist.all_reduce(loss_sum)
     with host_threads(cfg.cpu_offload):
         norm = global_grad_norm(model, cfg.grad_clip)
-        if values:  # one host read each
-            tokens = int(counted.item())
-            loss, grad_norm = loss_sum.item() / max(tokens, 1) + aux_sum.item(), float(norm)
-        else:
-            tokens = sum(b["labels"].numel() for b in micro_batches)
-            loss = grad_norm = math.nan
+        tokens = int(counted.item())  # one host read each
+        loss, grad_norm = loss_sum.item() / max(tokens, 1) + aux_sum.item(), float(norm)
         # Loss and norm are the same on every rank, so every rank skips (or steps) together.
-        skipped = values and not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if values and tokens == 0:  # nothing to learn: no loss, and AdamW does not move
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if tokens == 0:  # nothing to learn: no loss, and AdamW does not move
             loss = math.nan
         elif not skipped:
             optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    router = router_record(aux_sum, load) if load is not None and values else None
+    router = router_record(aux_sum, load) if load is not None else None
     return StepResult(loss, grad_norm, tokens, skipped, router)
 
 

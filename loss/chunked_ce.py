@@ -32,21 +32,17 @@ row's last token).
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.autograd.function import once_differentiable
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _FUSED = {}  # device type -> (mm takes out_dtype, addmm takes out_dtype with an fp32 accumulator)
 
 
-def _fused_ops(device):
+def fused_ops(device):
     """Whether torch.mm and an in-place torch.addmm take bf16 operands with an fp32 output here
     (CUDA does; CPU does not). Checked once per device type, on sums that bf16 cannot hold."""
     if device.type not in _FUSED:
-        # Asked of real tensors even under FakeTensorMode (a rehearsal): the answer is the
-        # device kernels', and a fake GEMM may raise where the real one runs (torch 2.11 does).
-        with unset_fake_temporarily():
-            _FUSED[device.type] = _run_fused_ops(device)
+        _FUSED[device.type] = _run_fused_ops(device)
     return _FUSED[device.type]
 
 
@@ -102,7 +98,7 @@ def _chunk_pass(hidden, weight, labels, chunk_size, ignore_index, need_h, need_w
     dtype, device = hidden.dtype, hidden.device
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     low = dtype in _LOW_PRECISION
-    fused_mm, fused_addmm = _fused_ops(device) if low else (False, False)
+    fused_mm, fused_addmm = fused_ops(device) if low else (False, False)
 
     # Ignored rows cost nothing: only the rows that count enter the products.
     labels = labels.long()
@@ -221,7 +217,7 @@ def chunked_cross_entropy(
     """cross_entropy(hidden @ weight.T, labels) for hidden [N, H], weight [V, H], labels [N].
 
     ignore_index=None: every label counts, and the scan for ignored ones (a data-dependent
-    nonzero, which syncs with the host on CUDA and cannot run on fake tensors) is skipped.
+    nonzero, which syncs with the host on CUDA) is skipped.
     "sum" returns the sum over non-ignored rows (divide by a global label count yourself);
     "mean" divides by the local count. With no valid label the loss is 0 and gradients are
     zero. The loss is float32 (float64 for float64 inputs). weight may be a plain tensor or

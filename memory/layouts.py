@@ -118,7 +118,8 @@ class Candidate:
             state = "fp32 state on the GPU"
         return (
             f"{describe_placements(p.placements)}; {state}: {self.step_s:.0f} s projected, "
-            f"{self.gpu_bytes / GB:.1f} GB per GPU, {p.host.per_node / GB:.0f} GB host per node"
+            f"peak {p.total / GB:.1f} GB per GPU ({self.gpu_bytes / GB:.1f} with the CUDA context "
+            f"and NCCL), {p.host.per_node / GB:.0f} GB host per node"
         )
 
 

@@ -16,9 +16,10 @@ the live tensor bytes at the step's largest moment. A moment is one point of the
 the MLP's backward in layer 0. Each moment is a set of typed buffers (Buffer, memory/buffers.py)
 on top of what is held throughout (Held: the fp32 state and the saved tensors kept on the GPU).
 The moments are the loss in forward and in backward, the backward of layers L-1, 1 and 0 (where
-FSDP2's buffers peak) at four moments each, and the optimizer step. The peak (Plan.total) is the
-largest. It is held within 5% of the CPU meter at step 2 on every layout of
-tests/test_memory_matrix.py, and the host bytes exactly to the offload pool's.
+FSDP2's buffers peak) at four moments each (five with sp > 1: the out-gradient's exchange), and
+the optimizer step. The peak (Plan.total) is the largest. It is held within 5% of the CPU meter
+at step 2 on every layout of tests/test_memory_matrix.py, and the host bytes exactly to the
+offload pool's.
 
 Besides the peak, a plan has the first step's (Plan.first_step_total: no AdamW state yet), an
 evaluation's (Plan.eval_total: a forward alone, nothing saved), the host memory per node, FSDP2's

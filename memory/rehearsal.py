@@ -14,7 +14,10 @@ computed or allocated, so two steps of Qwen3-8B at 1,048,576 tokens per row run 
 in minutes and a fraction of a GB. The "fake" process-group backend
 (torch.testing._internal.distributed.fake_pg) answers every collective at once, so one process
 stands in for rank 0 of the whole world: FSDP2 shards, gathers and reduce-scatters exactly as it
-would, and Ulysses' all-to-alls hand back buffers of the right shapes.
+would, and Ulysses' all-to-alls hand back buffers of the right shapes. What a fake tensor
+cannot say is answered here, not in the step or the pieces: HostReads answers train_step's reads
+to the host and the loss's label scan, ask_real_kernels asks the loss's kernel question on real
+tensors first.
 
 What is measured is memory/meter.py's count of live tensor storages (the same meter a real CPU
 step is checked with, and what torch.cuda.max_memory_allocated counts on a GPU), split by phase:
@@ -33,6 +36,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
@@ -145,8 +149,41 @@ class FlopCount(TorchDispatchMode):
         return sum(self.by_part.values())
 
 
+# ---- what a fake tensor cannot say ---------------------------------------------------------------
+class HostReads(TorchDispatchMode):
+    """The answers a fake tensor has no value for, given as a step in which every label counts,
+    so train.py's train_step runs on fake tensors as written, with no branch for them:
+      * a value read to the host (.item(), float(), .tolist(): aten._local_scalar_dense) is 1,
+        so the step's label count, loss and grad norm come out finite and nonzero and it steps;
+      * nonzero of a 1-D tensor finds every element: the loss's scan for ignored labels
+        (loss/chunked_ce.py) finds none and takes its dense path, one [N] int64 index as when
+        the caller says every label counts.
+    StepRehearsal enters it below the meter, which counts what it hands back; everything else
+    goes on to FakeTensorMode."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default:
+            return True if args[0].dtype == torch.bool else 1
+        if func is torch.ops.aten.nonzero.default and args[0].dim() == 1:
+            return torch.arange(args[0].numel(), device=args[0].device).unsqueeze(1)  # [N, 1]
+        return func(*args, **kwargs)
+
+
+def ask_real_kernels(device: torch.device) -> None:
+    """Questions a piece asks its device's kernels once per process, asked here on real tensors
+    before a step on fake ones: asked of fake tensors, torch would answer for the fake kernels
+    (a fake bf16 GEMM with an fp32 output raises where the real one runs, torch 2.11). The
+    chunked loss's: whether bf16 products can write fp32 (loss/chunked_ce.py fused_ops)."""
+    from loss.chunked_ce import fused_ops
+
+    with unset_fake_temporarily():
+        fused_ops(device)
+
+
 class StepRehearsal:
-    """Meter (with phases) and, optionally, FLOP count around one step; see the docstring.
+    """Meter (with phases), host reads answered (HostReads) and, optionally, FLOP count around
+    one step; see the docstring.
 
     Phases are set by hooks: the model's forward starts "forward"; its output starts "loss";
     the gradient reaching that output starts "backward"; optimizer.step() starts "optimizer".
@@ -174,9 +211,13 @@ class StepRehearsal:
             record=True,
         )
         self.flops = FlopCount(layers) if count_flops else None
+        self.reads = HostReads()
         self._handles = []
 
     def __enter__(self) -> StepRehearsal:
+        ask_real_kernels(torch.device("cpu"))  # the device a rehearsal runs on
+        # Below the meter: it sees each op, and the line of code that made it, before the answer.
+        self.reads.__enter__()
         self.meter.start()
         self.meter.mark("forward")
         self._handles.append(self.model.register_forward_hook(self._after_forward))
@@ -203,6 +244,7 @@ class StepRehearsal:
         for h in self._handles:
             h.remove()
         self.meter.stop()
+        self.reads.__exit__(*exc)
 
 
 # ---- what only a GPU has -----------------------------------------------------------------------

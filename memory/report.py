@@ -246,7 +246,8 @@ def _format_gpu(p: Plan) -> list[str]:
         _row(
             "peak = held + max(layer phase, loss phase)",
             p.total,
-            f"(layer {layer.bytes / GB:.2f} | loss {loss.bytes / GB:.2f})",
+            f"(layer {layer.bytes / GB:.2f} | loss {loss.bytes / GB:.2f}; torch's allocated "
+            f"bytes, max_memory_allocated's basis and every peak's below; the next line on top)",
         ),
         _row(
             "an evaluation: held + a forward alone",

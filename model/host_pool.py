@@ -47,7 +47,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["HostPool", "PoolStats", "host_block_bytes", "host_bytes_for", "DEFAULT_MIN_BYTES"]
 
@@ -300,7 +299,7 @@ class HostPool:
         return (
             isinstance(t, torch.Tensor)
             and not isinstance(t, torch.nn.Parameter)
-            and not is_traceable_wrapper_subclass(t)
+            and not hasattr(t, "__tensor_flatten__")  # a wrapper subclass, such as DTensor
             and t.requires_grad
             and t.numel() > 0
             and t.device.type in ("cuda", "cpu")

@@ -43,6 +43,10 @@ from model.seeded_init import seeded_normal_
 # ---------------------------------------------------------------------------------------------
 # RoPE (default and YaRN)
 # ---------------------------------------------------------------------------------------------
+# Positions are global: under sequence parallelism each rank passes its share's own places in the
+# row (model/ulysses_exchange.py's shard_row), and Attention rotates q and k here, before attn_fn's
+# exchange, so every token already carries its rotation when the ranks trade tokens for heads.
+# The qwen3-8b-1m recipe runs YaRN x32 over Qwen3's 32,768 original positions (--yarn-factor).
 @functools.lru_cache(maxsize=16)
 def rope_inv_freq(config: Qwen3Config) -> tuple[torch.Tensor, float]:
     """Inverse frequencies [head_dim/2] (float32, on CPU) and the cos/sin scaling factor.
@@ -109,7 +113,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Layers
 # ---------------------------------------------------------------------------------------------
 # Elements per row chunk of the RMSNorm's fp32 temporaries: 64 MiB of fp32 each, 4,096 rows of
-# Qwen3-8B's hidden size. memory/plan.py counts one chunk's temporaries.
+# Qwen3-8B's hidden size. memory/buffers.py counts one chunk's temporaries.
 RMSNORM_CHUNK_ELEMS = 1 << 24
 
 

@@ -340,6 +340,22 @@ def test_pieces_page_names_each_piece_once_with_files_that_exist():
         assert len(textwrap.dedent(snippet).strip().splitlines()) <= 15, name
 
 
+PRIVATE_TORCH = re.compile(r"\btorch(?:\.\w+)*\._(?!_)\w*")  # torch._x, torch.a._b; not __version__
+
+
+def test_pieces_import_public_torch_only():
+    """A copied piece must not break on a torch upgrade: no file a piece names imports or calls
+    a private torch name (a module or attribute whose name starts with one underscore). What a
+    rehearsal on fake tensors needs from torch's internals lives in memory/rehearsal.py."""
+    files = sorted({f for names, _ in page_pieces().values() for f in names})
+    assert "loss/chunked_ce.py" in files and "model/host_pool.py" in files, files
+    for path in files:
+        with open(os.path.join(ROOT, path)) as f:
+            text = f.read()
+        found = PRIVATE_TORCH.findall(text)
+        assert not found, f"{path} names private torch: {found}"
+
+
 @pytest.mark.slow
 def test_loss_copied_alone(server, tmp_path):
     """The chunked loss from transformers' hidden states and lm_head weight, alone and with its

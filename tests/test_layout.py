@@ -138,12 +138,20 @@ def test_product_speaks_of_the_project_as_it_is(path):
     assert not re.search(r"environ[^\n]*TRAIN_(TEST|FAKE)", text), path
 
 
-def tour_rows() -> list[tuple[str, int]]:
-    """README's file tour: (path, lines) of each row `| \\`path\\` | what it is | lines |`."""
+TOUR_ROW = re.compile(r"^\| `([^`]+)` \| .* \| (\d+) \|$", re.M)
+
+
+def readme_between(start: str, end: str) -> str:
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    tour = text[text.index("<!-- tour -->") :]
-    return [(p, int(n)) for p, n in re.findall(r"^\| `([^`]+)` \| .* \| (\d+) \|$", tour, re.M)]
+    return text[text.index(start) : text.index(end)]
+
+
+def tour_rows() -> list[tuple[str, int]]:
+    """README's file tour, the core and the rest: (path, lines) of each row
+    `| \\`path\\` | what it is | lines |`."""
+    tour = readme_between("<!-- tour -->", "<!-- /tour -->")
+    return [(p, int(n)) for p, n in TOUR_ROW.findall(tour)]
 
 
 def lines_of(path: str) -> int:
@@ -153,10 +161,12 @@ def lines_of(path: str) -> int:
 
 def test_readme_file_tour_line_counts_are_the_files():
     """Each file row's count is the file's line count; a directory row (`data/`, `bench/`)
-    counts its .py files that have no row of their own."""
+    counts its .py files that have no row of their own. Every product file has a row, or is
+    counted by its directory's (a package's empty or near-empty __init__.py needs neither)."""
     rows = tour_rows()
     named = {p for p, _ in rows}
-    assert {"train.py", "loss/chunked_ce.py", "memory/plan.py"} <= named
+    assert len(named) == len(rows), "a file has two rows in README's tour"
+    assert {"train.py", "loss/chunked_ce.py", "memory/plan.py", "torchrun.sh"} <= named
     for path, n in rows:
         if path.endswith("/"):
             rest = [f for f in python_files(path.rstrip("/")) if f not in named]
@@ -164,6 +174,41 @@ def test_readme_file_tour_line_counts_are_the_files():
         else:
             want = lines_of(path)
         assert n == want, f"README's tour says {path} has {n} lines; it has {want}"
+    dirs = {p for p in named if p.endswith("/")}
+    missing = [
+        f
+        for f in product_files()
+        if f not in named
+        and os.path.dirname(f) + "/" not in dirs
+        and not (f.endswith("__init__.py") and lines_of(f) <= 2)
+    ]
+    assert not missing, f"README's tour has no row for {missing}"
+
+
+CORE_MAX_LINES = 5000  # the method, readable in a sitting; the rest is the product around it
+
+
+def test_readme_core_is_the_method_in_at_most_5000_lines():
+    """The tour's first table, the core, names the files that teach the whole method, and they
+    add up to at most CORE_MAX_LINES; everything else is in the rest."""
+    core = dict(
+        (p, int(n)) for p, n in TOUR_ROW.findall(readme_between("<!-- core -->", "<!-- /core -->"))
+    )
+    assert {
+        "train.py",
+        "model/qwen3.py",
+        "loss/chunked_ce.py",
+        "model/ulysses_exchange.py",
+        "model/checkpoint_offload.py",
+        "model/host_pool.py",
+    } <= set(core), sorted(core)
+    assert sum(core.values()) <= CORE_MAX_LINES, f"the core is {sum(core.values())} lines"
+
+
+def test_readme_tests_section_is_at_most_10_lines():
+    """How to run the suite and the quick subset; the timings live in docs/tests.md."""
+    section = readme_between("## Tests\n", "\n## More").strip().splitlines()[1:]
+    assert len(section) <= 10, f"README's Tests section is {len(section)} lines"
 
 
 README_MAX_LINES = 350  # the commands, the tour, the glossary, headline numbers, then links
