@@ -49,7 +49,7 @@ from memory.buffers import Buffer, attention_workspace
 from memory.model_size import param_shapes, shard_numel, step_flops
 from memory.plan import plan
 from memory.report import PUBLIC_RECIPE
-from memory.steptime import measured_parts, pinned_gbps
+from memory.steptime import documents_flops, measured_parts, pinned_gbps
 from model.attention import attention, set_backend, torch_cudnn_gate
 from model.attention_probe import (
     PROBE_TOLERANCE,
@@ -88,6 +88,7 @@ class Geometry:
     int32_tokens: int  # sp=1 heads: q past 2^31 elements at the full size
     offload_run: tuple  # train.py --cpu-offload: model, tokens, steps
     documents: tuple  # rows of documents: how many long ones, how many short ones
+    mixed: tuple  # a row of many short documents and one long one: how many short, its length
 
     @property
     def tokens(self) -> int:
@@ -107,9 +108,22 @@ FULL = Geometry(
     532_480,
     ("qwen3-0.6b", 65_536, 2),
     (11, 10_000),  # eleven ~95K-token books; 10,000 short documents (chats)
+    (5_000, 32_768),  # 5,000 chats and one 32K-token document: flash's grid of the longest
 )
 TINY = Geometry(
-    "tiny", 512, 2, (32, 128, 256), (2, 3), 64, 3, 0.05, 512, 512, ("tiny", 512, 2), (11, 100)
+    "tiny",
+    512,
+    2,
+    (32, 128, 256),
+    (2, 3),
+    64,
+    3,
+    0.05,
+    512,
+    512,
+    ("tiny", 512, 2),
+    (11, 100),
+    (50, 128),
 )
 
 
@@ -326,6 +340,28 @@ def document_rows(tokens: int, long: int, short: int) -> dict:
     return {"long": tuple(books), "short": tuple(chats)}
 
 
+def mixed_row(tokens: int, short: int, longest: int) -> tuple:
+    """A row of `short` documents over tokens - longest (as document_rows' short ones), then one
+    of `longest`: flash's variable-length grid is ceil(longest / 128) query blocks for every
+    document, so nearly all the short ones' blocks are empty."""
+    return (*document_rows(tokens - longest, 1, short)["short"], longest)
+
+
+def _bucketed(lens: tuple, backend: str, way: str):
+    """Attention over the row as two calls, the short documents in one and the longest alone:
+    what splitting the call by length would run."""
+    cut = sum(lens[:-1])
+
+    def attend(q, k, v):
+        parts = [
+            attention(q[:, a:b], k[:, a:b], v[:, a:b], backend=backend, doc_lens=d, documents=way)
+            for a, b, d in ((0, cut, lens[:-1]), (cut, sum(lens), lens[-1:]))
+        ]
+        return torch.cat(parts, 1)
+
+    return attend
+
+
 def _fwd_bwd(attend, q, k, v, dout) -> list:
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = attend(q, k, v)
@@ -348,7 +384,10 @@ def part_documents(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     `long` documents and one of `short`, each its first call (graphs built, kernels loaded) and
     then its time per layer (forward + backward), which the projection divides by the stream's
     (the attention part's); and equality against the same row run once per document (flash on a
-    GPU), the largest difference of out, dq, dk, dv over the largest value."""
+    GPU), the largest difference of out, dq, dk, dv over the largest value. A third row, many
+    short documents and one long one (mixed_row), is also timed as two calls split by length
+    (bucketed_per_layer_s): what the empty blocks of one call cost. attention_flops: a row's
+    forward and backward in step_flops' count, which memory/steptime.py's calibration reads."""
     cfg, dtype = load_config(g.model), _dtype(dev)
     shape = rank_attention_shape(cfg, g.seq_len, g.sp)
     T, heads = shape.pop("seq_len"), tuple(shape.values())
@@ -358,7 +397,8 @@ def part_documents(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     q, k, v, dout = training_layout(T, *heads, dtype, dev)
     out = {"tokens": T, "heads": list(heads), "backend": backend, "documents_kernel": way}
     t0 = time.perf_counter()
-    for name, lens in document_rows(T, *g.documents).items():
+    rows = {**document_rows(T, *g.documents), "mixed": mixed_row(T, *g.mixed)}
+    for name, lens in rows.items():
         if time.perf_counter() - t0 > 0.5 * limit_s:
             out[name] = {"skipped": f"{time.perf_counter() - t0:.0f} s of {limit_s:.0f} s spent"}
             continue
@@ -376,6 +416,13 @@ def part_documents(g: Geometry, dev: torch.device, limit_s: float) -> dict:
         }
         del got, want
         r = {"documents": len(lens), "longest": max(lens), "ones": lens.count(1)}
+        r["attention_flops"] = documents_flops(lens, heads[0], heads[2])
+        if name == "mixed":
+            split = _bucketed(lens, backend, way)
+            r["bucketed_per_layer_s"] = min(
+                _timed(lambda a=split: _fwd_bwd(a, q, k, v, dout), dev) for _ in range(2)
+            )
+            r["empty_blocks_s"] = steady - r["bucketed_per_layer_s"]
         r.update(first_call_s=first, per_layer_s=steady, first_call_overhead_s=first - steady)
         r.update(vs_per_document=diffs, agrees=max(diffs.values()) <= PROBE_TOLERANCE)
         out[name] = r
@@ -486,7 +533,7 @@ def project(res: dict, g: Geometry, nvlink_gbps: float, peak_tflops: float, esiz
     )
     out.update(attention_share=L * t["attention_s"] / step, backend=att["backend"])
     docs = res.get("documents", {})
-    for row in ("long", "short"):  # a row of documents' attention per layer over the stream's
+    for row in ("long", "short", "mixed"):  # a row of documents' attention over the stream's
         if docs.get("status") == "ok" and "per_layer_s" in docs.get(row, {}):
             out[f"documents_{row}_vs_stream"] = docs[row]["per_layer_s"] / t["attention_s"]
     out["step_s_attention_recomputed"] = parts.step_s(L, a2a_s, save_attention=False)

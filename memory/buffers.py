@@ -20,7 +20,7 @@ import math
 from enum import Enum
 
 from memory.model_size import adapter_shapes
-from model.attention import backward_workspace_bytes
+from model.attention import backward_workspace_bytes, varlen_backward_workspace_bytes
 from model.config import Qwen3Config
 from model.lora import LoraSpec
 from model.moe import TILE as MOE_TILE
@@ -69,6 +69,7 @@ class Buffer(str, Enum):
     FLASH_WORKSPACE = "FlashAttention fp32 dq accumulator and delta"
     CUDNN_WORKSPACE = "cuDNN attention backward workspace (projected as flash's)"
     FLASH_GQA_GRADS = "FlashAttention dk, dv expanded to the query heads [T, heads/sp, hd]"
+    DOCUMENTS_PADDING = "flash varlen fp32 dq accumulator and delta: 128 padding rows a document"
     QKV_GRAD = "dq, dk, dv [t, heads, hd]"
     LAYER_GRADS = "this layer's unsharded gradients so far"
     # a mixture-of-experts layer (model/moe.py) in place of the MLP
@@ -111,14 +112,15 @@ class Buffer(str, Enum):
 CUDA_SMALLEST_BLOCK = 512  # bytes: torch's CUDA caching allocator rounds every tensor up to it
 
 
-def documents_state_bytes(seq_len: int, doc_len: int, device: str = "cuda") -> int:
-    """What one layer's attention keeps on a GPU until its backward for a row of documents of
-    doc_len (--documents masked; 0: a stream, nothing): the one flash call's int32 cumulative
+def documents_state_bytes(documents: int, device: str = "cuda") -> int:
+    """What one layer's attention keeps on a GPU until its backward for a row of `documents`
+    documents (--documents masked; 0: a stream, nothing): the one flash call's int32 cumulative
     lengths (documents + 1) and its rng state (two small tensors), each in its own allocator
-    block. The per-document path (CPU) keeps nothing. 11 documents: 1,536 bytes per layer."""
-    if doc_len <= 0 or device != "cuda":
+    block. The lengths are one tensor per row, which every layer's call shares: counted with each
+    layer, a bound a few KiB over. The per-document path (CPU) keeps nothing. 11 documents: 1,536
+    bytes per layer."""
+    if documents <= 0 or device != "cuda":
         return 0
-    documents = -(-seq_len // min(doc_len, seq_len))
     blocks = -(-(documents + 1) * 4 // CUDA_SMALLEST_BLOCK)
     return (blocks + 2) * CUDA_SMALLEST_BLOCK
 
@@ -310,6 +312,7 @@ def layer_backward_moments(
     norm_chunk: int = RMSNORM_CHUNK_ELEMS,
     attn_backend: str = "cudnn",
     lora: LoraSpec | None = None,
+    documents: int = 0,
 ) -> dict[str, dict[Buffer, int]]:
     """The activation bytes of one recomputed decoder layer's backward at its moments.
 
@@ -328,6 +331,9 @@ def layer_backward_moments(
         layers.working_set measures it; attn_backend
         "flash" with fewer kv heads than query heads at the kernel also expands dk and dv to the
         query heads (two q-sized buffers in the compute dtype, summed into dk, dv at the end);
+        a row of `documents` documents (--documents masked) runs flash's variable-length kernel
+        on a GPU whatever the stream's kernel: its workspace pads each document by 128 rows
+        (model/attention.py's varlen_backward_workspace_bytes) and it expands dk, dv as flash;
       "q/k norm backward": after SDPA and the exchanges, the q norm's fp32 temporaries for one row
         chunk (model/qwen3.py's _RMSNormFn: the normalised rows, the upcast gradient and two
         partial results of the last expression, live together at its final product).
@@ -421,12 +427,22 @@ def layer_backward_moments(
         Buffer.ATTN_OUT_GRAD: Q,
     }
     cuda = device == "cuda"
-    expands = cuda and attn_backend == "flash" and nh > max(c.num_key_value_heads, sp)
+    varlen = cuda and documents > 0  # a row of documents: flash's variable-length kernel
+    flash = attn_backend == "flash" or varlen
+    expands = cuda and flash and nh > max(c.num_key_value_heads, sp)
+    if varlen:  # the row's T tokens on nh/sp heads (Ulysses splits the heads evenly)
+        unpadded = varlen_backward_workspace_bytes(t * sp, 0, nh // sp, hd)
+        padding = varlen_backward_workspace_bytes(t * sp, documents, nh // sp, hd) - unpadded
+        workspace = {Buffer.FLASH_WORKSPACE: unpadded, Buffer.DOCUMENTS_PADDING: padding}
+    else:
+        workspace = {
+            attention_workspace(attn_backend): backward_workspace_bytes(t, nh, hd) if cuda else 0
+        }
     attn = {
         Buffer.RESIDUAL_GRAD: X,
         Buffer.ATTN_OUT_GRAD: Q,
         Buffer.QKV_GRAD_AT_SDPA: Q + 2 * K,  # dq, and dk and dv
-        attention_workspace(attn_backend): backward_workspace_bytes(t, nh, hd) if cuda else 0,
+        **workspace,
         Buffer.FLASH_GQA_GRADS: 2 * Q if expands else 0,  # dk and dv, q-sized once expanded
     }
     qk = {

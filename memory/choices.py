@@ -50,6 +50,7 @@ def _run_options(
         device=device,
         attn_backend=getattr(cfg, "attn_backend", "auto"),
         doc_len=documents_length(cfg),
+        documents=planned_documents(cfg, -(-cfg.seq_len // sp) * sp),
         lora=lora_spec(cfg) if hasattr(cfg, "lora_rank") else None,
         **({"reserve_gb": 0.0, "host_overhead_gb": 0.0} if cpu else {}),
     )
@@ -60,6 +61,23 @@ def documents_length(cfg) -> int:
     run's or a rehearsal's typical length), else 0 (one sequence per row)."""
     masked = getattr(cfg, "documents", "stream") == "masked"
     return getattr(cfg, "doc_len", 0) if masked else 0
+
+
+# A run of --documents masked rows without --doc-len knows each row's documents only as it reads
+# it: flash's variable-length backward (the kernel a GPU runs them on) pads each by 128 rows,
+# 258 KiB a document for Qwen3-8B at sp 8, so its plan counts one document per this many tokens
+# (4,096 at 1M tokens: 1.08 GB). An assumption: rows of shorter documents need more.
+PLANNED_DOCUMENT_TOKENS = 256
+
+
+def planned_documents(cfg, seq_len: int) -> int:
+    """The documents per row a run's plan pads flash's variable-length backward for
+    (memory/plan.py's Options.documents): --doc-len's even rows, else one per
+    PLANNED_DOCUMENT_TOKENS tokens with --documents masked; 0 for a stream."""
+    if getattr(cfg, "documents", "stream") != "masked":
+        return 0
+    doc_len = getattr(cfg, "doc_len", 0)
+    return -(-seq_len // (doc_len if doc_len > 0 else PLANNED_DOCUMENT_TOKENS))
 
 
 def run_pins(cfg) -> Pins:

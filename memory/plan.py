@@ -136,6 +136,10 @@ class Options:
     # --documents masked: rows of documents of this length, attention within each (its FLOPs the
     # sum of the documents' squares); 0: one sequence per row
     doc_len: int = 0
+    # rows of documents on a GPU run flash's variable-length kernel, whose backward pads each
+    # document by 128 rows (memory/buffers.py): the documents per row it is planned for; 0: the
+    # doc_len rows' count, ceil(seq_len / doc_len), or none (a stream)
+    documents: int = 0
     host_gbps: float = 200.0  # host memory bandwidth per node, for CPU AdamW's time
     model: str | None = None  # the model's name in the table
 
@@ -450,6 +454,11 @@ class _Kept:
     in_pool: bool  # the placement puts something on the host: the pool keeps a group for it
 
 
+def row_documents(o: Options, seq_len: int) -> int:
+    """The documents per row the plan counts: Options.documents, else doc_len's even rows."""
+    return o.documents or (-(-seq_len // o.doc_len) if o.doc_len > 0 else 0)
+
+
 def _pool_takes(o: Options, n: int) -> bool:
     """Whether the pool moves a tensor of n bytes: it takes those of offload_min_bytes or more."""
     return n >= o.offload_min_bytes
@@ -466,7 +475,7 @@ def _layer_tensors(c: Qwen3Config, seq_len: int, sp: int, o: Options) -> tuple[i
 def _kept(c: Qwen3Config, seq_len: int, sp: int, o: Options, placements) -> tuple[_Kept, ...]:
     """Each layer's _Kept under its placement, layer 0 first."""
     x, out, lse = _layer_tensors(c, seq_len, sp, o)
-    documents = documents_state_bytes(seq_len, o.doc_len, o.device)
+    documents = documents_state_bytes(row_documents(o, seq_len), o.device)
     of_placement = {}  # a layout has at most 6 kinds of placement: each is worked out once
     for p in set(placements):
         attention = [] if p.attention == "recompute" else [out, lse]
@@ -580,6 +589,7 @@ def _step_moments(
         norm_chunk=o.norm_chunk,
         attn_backend=o.attn_backend,
         lora=o.lora,
+        documents=row_documents(o, t * layout.sp),
     )
     # the device-kept bytes of layers 0..i-1 at index i
     inputs_below = [0, *itertools.accumulate(k.device_input for k in kept)]

@@ -286,6 +286,14 @@ def gpu_only_terms(cuda_plan) -> list[tuple[str, int, str]]:
             "memory/plan.py NCCL_GB_PER_COMMUNICATOR; projected",
         ),
     ]
+    if largest(Buffer.DOCUMENTS_PADDING):
+        terms.append(
+            (
+                "flash's variable-length backward: 128 padding rows a document",
+                largest(Buffer.DOCUMENTS_PADDING),
+                "mha_varlen_bwd's fp32 dq accumulator and softmax delta, rows of documents",
+            )
+        )
     if largest(Buffer.FLASH_GQA_GRADS):
         terms.append(
             (

@@ -352,14 +352,17 @@ def _secs(x: float) -> str:
     return f"{x:.1f} s" if x >= 1 else f"{x:.2g} s"
 
 
-def _format_rates(r: Rates) -> str:
-    """The rates a projection used, each marked measured or assumed."""
+def _format_rates(r: Rates, documents: bool = False) -> str:
+    """The rates a projection used, each marked measured or assumed; documents: attention runs
+    on flash's variable-length kernel (a row of documents), at its own rate."""
     kernels = (
         ("matmuls", "matmul_tflops"),
         ("attention forward", "attention_fwd_tflops"),
         ("attention backward", "attention_bwd_tflops"),
         ("loss", "loss_tflops"),
     )
+    if documents:  # the attention kernels are the documents' one
+        kernels = (kernels[0], ("documents' attention", "documents_tflops"), kernels[3])
     values = {(getattr(r, name), r.says(name)) for _, name in kernels}
     if len(values) == 1:
         (rate, says), labels = values.pop(), ", ".join(label for label, _ in kernels)
@@ -392,7 +395,7 @@ def _format_step_time(p: Plan, rates: Rates | None) -> list[str]:
         f"over the step by step_flops' count",
         f"  {'floor: 100% of ' + f'{p.options.tflops:g} TFLOP/s':36}{_secs(t.floor_s):>10}   "
         f"the limit, not a projection",
-        _format_rates(t.rates),
+        _format_rates(t.rates, p.options.doc_len > 0 or p.options.documents > 0),
     ]
     return out
 

@@ -73,6 +73,11 @@ CHECKPOINT_BYTES = 2  # bytes per parameter on disk: the Hugging Face Qwen3 chec
 ATTENTION_ONCE_PASSES = (
     4  # a layer's non-attention work in gpu_check: forward, recompute, 2 backward
 )
+# A row of documents runs flash's variable-length kernel (model/attention.py), the stream cuDNN's.
+# Flash over cuDNN at the sp=8 rank's 1M-token shape, measured on one H200 in one process
+# (docs/numbers.md: flash 3.56 + 8.56 s a layer, cuDNN 2.30 + 5.28 s): 1.60. Without a
+# calibration, documents run at the stream's assumed rate over it: 331 TFLOP/s on an H100.
+FLASH_OVER_CUDNN = (3.56 + 8.56) / (2.30 + 5.28)
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,8 @@ class Rates:
     attention_fwd_tflops: float
     attention_bwd_tflops: float
     loss_tflops: float  # the chunked loss's 3 lm_head products
+    # a row of documents' attention, forward and backward alike: flash's variable-length kernel
+    documents_tflops: float
     adamw_s_per_param: float  # clipping and AdamW on the GPU, per fp32 element of the shard
     nvlink_gbps: float = NVLINK_GBPS
     internode_gbps: float = INTERNODE_GBPS
@@ -139,6 +146,7 @@ def assumed_rates(gpu: str = "H100") -> Rates:
         attention_fwd_tflops=rate,
         attention_bwd_tflops=rate,
         loss_tflops=rate,
+        documents_tflops=rate / FLASH_OVER_CUDNN,
         adamw_s_per_param=ADAMW_GPU_BYTES / (HBM_GBPS * GB),
         source=f"assumed: {gpu} kernels at {rate:g} TFLOP/s, the public runs' rate",
     )
@@ -257,6 +265,9 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
       loss.time_s                 the chunked loss at seq_len/sp tokens (3 lm_head products)
       optimizer.time_s            clipping and AdamW over one rank's shards (FSDP2 over sp GPUs)
       layers.runs.*.reserve_s, .pinned_mib   host blocks pinned before step 1, when present
+      documents.long.per_layer_s  one sp rank's attention, forward and backward, over a row of
+                                  a few long documents on flash's variable-length kernel (its
+                                  attention_flops, or near-equal documents of documents.tokens)
     """
     base = base or assumed_rates()
     try:
@@ -284,6 +295,13 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
     take("adamw_params_per_s", params_per_gpu(config, sp), s.optimizer_s)
     if "adamw_params_per_s" in rates:
         rates["adamw_s_per_param"] = 1 / rates.pop("adamw_params_per_s")
+    docs = d.get("documents") or {}
+    if docs.get("status") == "ok" and "per_layer_s" in (docs.get("long") or {}):
+        take(
+            "documents_tflops",
+            documents_row_flops(docs, "long") / 1e12,
+            docs["long"]["per_layer_s"],
+        )
     pin_gbps = pinned_gbps(part["layers"]) if "layers" not in s.missing else None
     if pin_gbps:
         rates["pin_gbps"] = pin_gbps
@@ -295,6 +313,26 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
         measured=tuple(rates),
         source=f"gpu_check on {device} ({path})",
     )
+
+
+def documents_flops(lens, heads: int, head_dim: int, attn_bwd_factor: float = 2.5) -> float:
+    """One layer's causal attention over documents `lens` on `heads` query heads, forward and
+    backward, in step_flops' count (memory/model_size.py): 2 x n^2 x heads x head_dim forward per
+    document of n tokens, attn_bwd_factor times that backward."""
+    return (1 + attn_bwd_factor) * 2.0 * sum(n * n for n in lens) * heads * head_dim
+
+
+def documents_row_flops(docs: dict, row: str) -> float:
+    """The FLOPs of gpu_check's documents part's row `row`: its attention_flops, or (a record
+    without them) near-equal documents over the part's tokens, as its "long" row is made."""
+    r = docs[row]
+    if "attention_flops" in r:
+        return float(r["attention_flops"])
+    n, tokens = int(r["documents"]), int(docs["tokens"])
+    lens = [tokens // n] * n
+    lens[-1] += tokens - sum(lens)
+    heads, _, head_dim = docs["heads"]
+    return documents_flops(lens, heads, head_dim)
 
 
 # ---- the step -------------------------------------------------------------------------------
@@ -405,11 +443,15 @@ def _phase(
 def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) -> StepTime:
     """The step of plan `p` on each of its GPUs, at `rates` (default: assumed_rates()); doc_len:
     rows of documents of that length (--documents masked), attention per document; 0: one
-    sequence per row; None: as the plan counts (its options.doc_len). A row of documents is
-    one attention kernel per layer and direction on a GPU (flash with cumulative lengths), so
-    its attention is timed as one kernel of the documents' FLOPs, with no cost per document."""
+    sequence per row; None: as the plan counts (its options.doc_len, or options.documents). A
+    row of documents is one attention kernel per layer and direction on a GPU (flash with
+    cumulative lengths), so its attention is timed as one kernel of the documents' FLOPs at
+    flash's rate (rates.documents_tflops), with no cost per document: a row of many short
+    documents and a few long ones also pays flash's empty blocks, not counted here (projected
+    in docs/documents.md until bench/gpu_check.py's documents part measures it)."""
     r = rates or assumed_rates()
     c, lay, o = p.config, p.layout, p.options
+    documents = doc_len > 0 if doc_len is not None else o.doc_len > 0 or o.documents > 0
     doc_len = o.doc_len if doc_len is None else doc_len
     L, sp, W = c.num_hidden_layers, lay.sp, lay.gpus
     k = kernel_flops(
@@ -425,6 +467,8 @@ def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) 
         x * 1e12 * sp
         for x in (r.matmul_tflops, r.attention_fwd_tflops, r.attention_bwd_tflops, r.loss_tflops)
     )
+    if documents:  # flash's variable-length kernel, both directions
+        af = ab = r.documents_tflops * 1e12 * sp
     # the transfers of one layer on one GPU, in seconds
     gathered = p.layer.gathered.get(Buffer.GATHERED_LAYER, 0)  # bf16, padded as FSDP2 pads
     elements = gathered // o.compute_bytes

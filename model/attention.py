@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 __all__ = [
@@ -321,6 +322,22 @@ def backward_workspace_bytes(tokens: int, heads: int, head_dim: int, batch: int 
     return batch * rounded_t * heads * (rounded_d + 1) * 4
 
 
+# flash's variable-length backward (mha_varlen_bwd) keeps 128 rows between documents in its fp32
+# dq accumulator and softmax delta: the largest block along the queries, so no bounds checks
+VARLEN_PAD_ROWS = 128
+
+
+def varlen_backward_workspace_bytes(tokens: int, documents: int, heads: int, head_dim: int) -> int:
+    """What flash's variable-length backward allocates inside itself for `documents` documents of
+    `tokens` tokens in all, on `heads` query heads: the fp32 dq accumulator [tokens + 128 x
+    documents, heads, head_dim rounded up to 32] and softmax delta [heads, tokens + 128 x
+    documents]. The 128 rows are per document: Qwen3-8B at sp 8 (4 heads of 128) pays 264,192
+    bytes (258 KiB) a document. Its dk and dv expanded to the query heads (when they outnumber
+    the kv heads) come on top, [tokens, heads, head_dim] each in the compute dtype."""
+    rounded_d = math.ceil(head_dim / 32) * 32
+    return (tokens + VARLEN_PAD_ROWS * documents) * heads * (rounded_d + 1) * 4
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward (out, lse) and backward (q, k, v, out, lse) of each backend; tensors are [B, heads, T, hd]
 # ---------------------------------------------------------------------------------------------
@@ -542,13 +559,32 @@ def _documents_backward(ctx, dout, q, k, v, out, lse):
     return _segments_backward(ctx, dout, q, k, v, out, lse)
 
 
+# The row's cumulative lengths: (key, pinned host tensor, device tensor) of the last row seen.
+# Every layer's call, each recompute and each backward of that row take the same device tensor;
+# the host one stays referenced until the next row, so its copy cannot be overwritten in flight.
+_ROW_LENGTHS: list = []
+
+
 def cumulative_lengths(doc_lens, batch: int, device) -> torch.Tensor:
     """int32 [batch * documents + 1]: where each document of each row starts in the rows laid end
-    to end, then the total (flash's cum_seq_q / cum_seq_k). Empty documents are dropped."""
+    to end, then the total (flash's cum_seq_q / cum_seq_k). Empty documents are dropped. Built
+    once a row: in pinned host memory on CUDA, copied without blocking (a copy from pageable
+    memory would wait for the GPU, every layer), and handed back to every call with the same
+    row until another row comes."""
+    device = torch.device(device)
+    key = (tuple(doc_lens), batch, device, detect_fake_mode())  # a rehearsal's: its own tensor
+    if _ROW_LENGTHS and _ROW_LENGTHS[0] == key:
+        return _ROW_LENGTHS[2]
     lens = [n for n in doc_lens if n > 0] * batch
-    cum = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    cum[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
-    return cum.to(device)
+    host = torch.zeros(len(lens) + 1, dtype=torch.int32, pin_memory=device.type == "cuda")
+    host[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0)
+    _ROW_LENGTHS[:] = [key, host, _lengths_to_device(host, device)]
+    return _ROW_LENGTHS[2]
+
+
+def _lengths_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The one host-to-device copy of a row's cumulative lengths."""
+    return host.to(device, non_blocking=True)
 
 
 def _packed(t):

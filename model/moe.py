@@ -95,12 +95,14 @@ def _host_counts(counts: torch.Tensor, pairs: int) -> list[int]:
     return counts.tolist()
 
 
-def _expert_tiles(experts: torch.Tensor, num_experts: int, tile: int):
+def _expert_tiles(experts: torch.Tensor, counts: torch.Tensor, tile: int):
     """(expert, pair indices) per tile: pairs p = token x top_k + slot, sorted by expert, each
-    expert's in pieces of at most `tile`. One host read of the counts per call."""
+    expert's in pieces of at most `tile`; counts: _expert_counts' of these experts. One host
+    read of the counts per call: one in a layer's forward, one in its backward (a recompute
+    routes nothing)."""
     flat = experts.reshape(-1)  # [N x k]
     order = torch.argsort(flat, stable=True)
-    counts = _host_counts(_expert_counts(flat, num_experts), flat.numel())
+    counts = _host_counts(counts, flat.numel())
     start = 0
     for e, n in enumerate(counts):
         for s in range(start, start + n, tile):
@@ -122,15 +124,16 @@ class _RoutedExperts(torch.autograd.Function):
             return torch.zeros_like(x)
         x2 = x.reshape(-1, x.shape[-1])  # [N, hidden]
         weights, experts, probs = route(x2, w_router, block.top_k, block.norm_topk_prob)
+        counts = _expert_counts(experts, block.num_experts)  # the statistics' and the tiles'
         block.stats = RoutingStats(
-            counts=_expert_counts(experts, block.num_experts).float(),
+            counts=counts.float(),
             prob_sums=probs.sum(0),
             tokens=x2.shape[0],
         )
         del probs
         out = torch.zeros_like(x2)
         k, flat_weights = block.top_k, weights.reshape(-1)
-        for e, pairs in _expert_tiles(experts, block.num_experts, block.tile):
+        for e, pairs in _expert_tiles(experts, counts, block.tile):
             tokens = pairs // k
             y = _swiglu(x2[tokens], w_gate_up[e], w_down[e]) * flat_weights[pairs, None]
             out.index_add_(0, tokens, y.to(out.dtype))
@@ -150,7 +153,8 @@ class _RoutedExperts(torch.autograd.Function):
         d_gate_up = torch.zeros_like(w_gate_up) if need_gu else None
         d_down = torch.zeros_like(w_down) if need_d else None
         acc_e, acc = -1, None  # the current expert's weight gradients, fp32
-        for e, pairs in _expert_tiles(experts, block.num_experts, block.tile):
+        counts = _expert_counts(experts, block.num_experts)
+        for e, pairs in _expert_tiles(experts, counts, block.tile):
             if e != acc_e:
                 _flush(acc, acc_e, d_gate_up, d_down)
                 acc_e, acc = e, [None, None]

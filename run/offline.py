@@ -216,13 +216,36 @@ def _tokens(n: int) -> str:
 
 
 def documents_projection(p, rates, doc_len: int) -> list[str]:
-    """--dry-run --doc-len N: attention and the step projected for rows of N-token documents
-    (--documents masked: attention within each) beside one stream per row."""
+    """--dry-run --doc-len N: the row of N-token documents (--documents masked) beside one stream
+    per row in the same layout: attention's FLOPs, the step at flash's variable-length kernel's
+    rate (the one a GPU runs documents on: --calibration's documents part, else the stream's rate
+    over flash/cuDNN's measured ratio), and the peak with that kernel's backward buffers."""
+    from memory.buffers import Buffer
+    from memory.plan import GB, plan
+    from memory.steptime import FLASH_OVER_CUDNN
+
     c, o = p.config, p.options
+    layout = dataclasses.asdict(p.layout)
+    stream_plan = plan(
+        c, p.seq_len, **layout, options=dataclasses.replace(o, doc_len=0, documents=0)
+    )
     stream = step_flops(c, p.seq_len, attn_bwd_factor=o.attn_bwd_factor)
     docs = step_flops(c, p.seq_len, attn_bwd_factor=o.attn_bwd_factor, doc_len=doc_len)
-    t_stream, t_docs = project(p, rates, doc_len=0), project(p, rates, doc_len=doc_len)
+    t_stream, t_docs = project(stream_plan, rates), project(p, rates, doc_len=doc_len)
     n = len(even_documents(p.seq_len, doc_len))
+    r = t_docs.rates
+    if r.says("documents_tflops") == "measured":
+        rate = f"{r.documents_tflops:.0f} TFLOP/s measured ({r.source})"
+    else:
+        rate = (
+            f"{r.documents_tflops:.0f} TFLOP/s: the stream's {r.attention_fwd_tflops:.0f} over "
+            f"flash/cuDNN's {FLASH_OVER_CUDNN:.2f} measured on one H200 (projected)"
+        )
+    attn = max((m for m in p.moments if m.name == "attention backward"), key=lambda m: m.bytes)
+    held = p.held.bytes
+    expanded = attn.working.get(Buffer.FLASH_GQA_GRADS, 0)
+    padding = attn.working.get(Buffer.DOCUMENTS_PADDING, 0)
+    where = f"layer {p.peak.layer}'s {p.peak.name}" if p.peak.layer is not None else p.peak.name
     return [
         f"documents of {doc_len:,} tokens (--documents masked: {n} per row of "
         f"{p.seq_len:,} tokens) against one stream per row:",
@@ -230,8 +253,14 @@ def documents_projection(p, rates, doc_len: int) -> list[str]:
         f"{docs['attention_fwd'] / stream['attention_fwd']:.3f} of the stream's "
         f"{stream['attention_fwd']:.3e}",
         f"  step, projected            {t_docs.step_s:,.0f} s (stream: {t_stream.step_s:,.0f} s), "
-        f"attention at the stream's rate",
-        "  memory                     as planned above (attention's buffers are the row's)",
+        f"attention on flash's variable-length kernel at {rate}",
+        f"  peak per GPU, planned      {p.total / GB:.2f} GB in {where} (stream: "
+        f"{stream_plan.total / GB:.2f} GB); layer {attn.layer}'s attention backward "
+        f"{(held + attn.bytes) / GB:.2f} GB with flash's dk, dv expanded to the query heads "
+        f"{expanded / GB:.2f} GB and the documents' 128 padding rows each {padding / GB:.2f} GB",
+        "  not counted: a row mixing many short documents with a few long ones launches "
+        "ceil(longest / 128) blocks for every document (most exit at once): its cost is "
+        "projected, not measured (docs/documents.md)",
     ]
 
 

@@ -209,17 +209,28 @@ def test_rehearsal_counts_the_attention_kernels_documents_run(tmp_path):
     """--rehearse --documents masked --doc-len: the kernels' FLOPs as torch's formulas count them
     on fake tensors (one attention call per document) against the planner's. What documents save
     (the stream's rehearsal less theirs) is what the planner says they save, within 1%; the
-    totals differ by the same few dense FLOPs the stream's do. The dry run prints the
-    projection beside the stream's."""
+    totals differ by the same few dense FLOPs the stream's do. The documents' step 2 peak is
+    the plan's within 1%, and the GPU terms it names are flash's variable-length backward's (a
+    rank's 2 query heads on 1 kv head of 32, fp32): dk, dv expanded, 2 x 8,192 x 2 x 32 x 4 B,
+    and 128 rows a document of its dq accumulator and delta, 6 x 128 x 2 x (32 + 1) x 4 B. The
+    dry run prints the projection beside the stream's."""
     flags = ["--model", "tiny", "--data", "synthetic:copy", "--eos-id", "0", "--seq-len", "8192"]
     flags += ["--sp", "2", "--dtype", "float32"]
     docs = ["--documents", "masked", "--doc-len", "1500"]
-    flops = {}
+    flops, records = {}, {}
     for name, extra in (("stream", []), ("documents", docs)):
         out = tmp_path / name
         run_train(1, *flags, *extra, "--rehearse", "--out", str(out), env={"WORLD_SIZE": "2"})
         with open(out / "rehearsal.json") as f:
-            flops[name] = json.load(f)["flops"]
+            records[name] = json.load(f)
+        flops[name] = records[name]["flops"]
+    r = records["documents"]
+    assert r["peak_bytes"]["step2"] == pytest.approx(r["planned_bytes"]["total"], rel=0.01)
+    gpu = r["gpu_only_bytes"]
+    assert gpu["flash's dk, dv expanded to the query heads"] == 2 * 8192 * 2 * 32 * 4
+    padding = "flash's variable-length backward: 128 padding rows a document"
+    assert gpu[padding] == 6 * 128 * 2 * 33 * 4
+    assert padding not in records["stream"]["gpu_only_bytes"]
     print(flops)
     saved = {k: flops["stream"][k] - flops["documents"][k] for k in ("rehearsed", "planned")}
     assert saved["rehearsed"] == pytest.approx(saved["planned"], rel=0.01)

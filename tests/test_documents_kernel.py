@@ -349,7 +349,7 @@ def test_the_plan_counts_what_the_varlen_call_keeps_until_backward(flash_referen
     kept = [t for t in node.aux if isinstance(t, torch.Tensor)]
     blocks = sum(max(-(-t.nbytes // CUDA_SMALLEST_BLOCK), 1) for t in kept)
     assert kept[0].tolist() == [0, *itertools.accumulate(lens)]  # the cumulative lengths
-    per_layer = documents_state_bytes(seq_len, doc_len)
+    per_layer = documents_state_bytes(len(lens))
     assert per_layer == blocks * CUDA_SMALLEST_BLOCK
     c = Qwen3Config.preset("qwen3-8b")
     kw = dict(gpus=8, sp=8, save_attention=True, device="cuda")
@@ -357,6 +357,83 @@ def test_the_plan_counts_what_the_varlen_call_keeps_until_backward(flash_referen
     counted = max(m.working.get(Buffer.KEPT_DOCUMENTS, 0) for m in p.moments)
     assert counted == c.num_hidden_layers * per_layer
     stream = plan(c, seq_len, **kw)  # the same moments, less the documents' blocks
+    varlen = (Buffer.FLASH_GQA_GRADS, Buffer.DOCUMENTS_PADDING, Buffer.FLASH_WORKSPACE)
     for m, n in zip(p.moments, stream.moments, strict=True):
+        if m.name == "attention backward":  # and the varlen backward's buffers, tested below
+            m = dataclasses.replace(m, working={**m.working, **{b: 0 for b in varlen}})
+            n = dataclasses.replace(n, working={**n.working, Buffer.CUDNN_WORKSPACE: 0})
         assert m.bytes - n.bytes == m.working.get(Buffer.KEPT_DOCUMENTS, 0)
-    assert documents_state_bytes(seq_len, doc_len, "cpu") == 0  # segments keep nothing
+    assert documents_state_bytes(len(lens), "cpu") == 0  # segments keep nothing
+
+
+def test_the_plan_counts_the_varlen_backward_a_gpu_runs_documents_on():
+    """A row of documents runs flash's variable-length backward on a GPU whatever the stream's
+    kernel. Its buffers, from flash-attention's mha_varlen_bwd (csrc/flash_attn/flash_api.cpp):
+    dk_expanded and dv_expanded [total_k, num_heads, head_size] when num_heads_k != num_heads,
+    dq_accum [total_q + 128 x batch, num_heads, head_size_rounded] fp32 and softmax_d
+    [num_heads, total_q + 128 x batch] fp32. Qwen3-8B at sp 8 has 4 query heads and 1 kv head
+    a rank: 1 GiB each for dk and dv at 1,048,576 tokens, and 128 x 4 x (128 + 1) x 4 = 264,192
+    bytes a document (258 KiB, the issue's figure). Qwen3-30B-A3B at 1M, whose attention backward
+    is its largest moment, plans its peak higher by them; Qwen3-8B's MLP backward stays larger."""
+    from memory.buffers import Buffer
+    from memory.choices import plan_for_run
+    from memory.plan import plan
+    from model.config import Qwen3Config
+    from run.train_config import TrainConfig
+
+    kw = dict(gpus=8, sp=8, save_attention=True, mlp_tile=16384, attn_backend="cudnn")
+    c = Qwen3Config.preset("qwen3-8b")
+    docs = plan(c, 2**20, doc_len=4096, **kw)
+    attn = next(m for m in docs.moments if m.name == "attention backward")
+    assert attn.working[Buffer.FLASH_GQA_GRADS] == 2 * 2**30
+    assert attn.working[Buffer.DOCUMENTS_PADDING] == 256 * 264_192
+    assert attn.working[Buffer.FLASH_WORKSPACE] == 2**20 * 4 * 129 * 4
+    stream = plan(c, 2**20, **kw)
+    assert all(Buffer.FLASH_GQA_GRADS not in m.working for m in stream.moments)  # cuDNN's
+    kept = docs.peak.working.get(Buffer.KEPT_DOCUMENTS, 0)  # the cumulative lengths: KiB
+    assert docs.peak.name == "MLP backward" and docs.total - stream.total == kept
+
+    moe = Qwen3Config.preset("qwen3-30b-a3b")  # 32 query heads, 4 kv heads: 4 and 1 a rank
+    docs, stream = plan(moe, 2**20, doc_len=4096, **kw), plan(moe, 2**20, **kw)
+    assert docs.peak.name == stream.peak.name == "attention backward"
+    rise = 2 * 2**20 * 4 * 128 * 2 + 256 * 264_192  # dk, dv expanded; the documents' padding
+    kept = docs.peak.working.get(Buffer.KEPT_DOCUMENTS, 0)
+    assert docs.total - stream.total == rise + kept  # cuDNN's workspace is projected as flash's
+
+    # a run reads its rows' documents as it goes: planned at one per 256 tokens
+    cfg = dataclasses.replace(TrainConfig(), documents="masked", seq_len=2**20, doc_len=0)
+    p = plan_for_run(cfg, c, 8, 8, 1, torch.bfloat16, "cuda")
+    attn = max((m for m in p.moments if m.name == "attention backward"), key=lambda m: m.bytes)
+    assert attn.working[Buffer.DOCUMENTS_PADDING] == 4096 * 264_192
+    assert attn.working[Buffer.FLASH_GQA_GRADS] == 2 * 2**30
+
+
+def test_a_rows_cumulative_lengths_are_copied_to_the_device_once(flash_reference, monkeypatch):
+    """The cumulative lengths go to the device once a row (on CUDA from pinned memory, without
+    blocking): every layer's forward, a recompute that runs attention again and one that takes
+    it from attention once, and every backward take the same tensor. Two rows, two layers each
+    way, and a repeat of the second row's lengths: two copies."""
+    from model.checkpoint_offload import LayerPlacement, apply_offload
+
+    copies = []
+    real = attention_module._lengths_to_device
+    monkeypatch.setattr(
+        attention_module, "_lengths_to_device", lambda h, d: copies.append(h.tolist()) or real(h, d)
+    )
+    monkeypatch.setattr(attention_module, "_PINNED", "math")
+    monkeypatch.setattr(attention_module, "_DOCUMENTS_PINNED", "varlen")
+    monkeypatch.setattr(attention_module, "_ROW_LENGTHS", [])
+    cfg = dataclasses.replace(CFG, num_hidden_layers=4)
+    torch.manual_seed(0)
+    model = Qwen3(cfg).double()
+    recompute, keep = LayerPlacement("device", "recompute"), LayerPlacement("device", "device")
+    apply_offload(model, offload=False, placements=[recompute, keep, recompute, keep])
+    rows = [(5, 1, 10), (3, 13), (3, 13)]
+    for lens in rows:
+        positions = torch.cat([torch.arange(n) for n in lens])[None]
+        model(torch.ones_like(positions), positions, doc_lens=lens).sum().backward()
+    assert copies == [[0, 5, 6, 16], [0, 3, 16]]
+    layers = cfg.num_hidden_layers
+    # each layer's forward once, the two recomputed layers' again; a backward per layer and row
+    assert flash_reference.forwards == len(rows) * (layers + 2)
+    assert flash_reference.backwards == len(rows) * layers

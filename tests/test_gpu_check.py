@@ -141,7 +141,15 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     assert (d["tokens"], d["heads"], d["documents_kernel"]) == (512, [2, 1, 32], "segments")
     assert (d["long"]["documents"], d["short"]["documents"]) == (11, 100)
     assert d["short"]["ones"] > 0 and d["long"]["longest"] == 512 - 10 * (512 // 11)
-    for row in ("long", "short"):
+    # the mixed row: 50 short documents over 384 tokens, then one of 128, also timed as two
+    # calls split by length; each row's FLOPs: 7 x sum of squares x 2 heads x 32 (step_flops')
+    m = d["mixed"]
+    assert (m["documents"], m["longest"]) == (51, 128)
+    _finite(m, ["bucketed_per_layer_s"], "documents.mixed")
+    assert m["empty_blocks_s"] == pytest.approx(m["per_layer_s"] - m["bucketed_per_layer_s"])
+    books = 10 * (512 // 11) ** 2 + (512 - 10 * (512 // 11)) ** 2
+    assert d["long"]["attention_flops"] == 3.5 * 2 * books * 2 * 32
+    for row in ("long", "short", "mixed"):
         _finite(d[row], ["first_call_s", "per_layer_s"], f"documents.{row}")
         _finite(d[row], ["first_call_overhead_s"], f"documents.{row}", nonnegative=False)
         assert d[row]["agrees"] is True and max(d[row]["vs_per_document"].values()) == 0.0

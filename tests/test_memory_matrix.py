@@ -37,6 +37,7 @@ from attention_shapes_only import attention_shapes_only  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
 
 from memory.plan import plan  # noqa: E402
+from memory.rehearsal import HostReads  # noqa: E402
 from model.checkpoint_offload import LayerPlacement  # noqa: E402
 from model.config import Qwen3Config  # noqa: E402
 from model.lora import LoraSpec  # noqa: E402
@@ -289,9 +290,12 @@ def _steps(rank, world, specs, rehearse=False):
                     host=pool,
                     host_state=cpu_off,
                 )
-                meter.start()
-                train.train_step(model, opt, [batch], step_cfg)
-                meter.stop()
+                # on fake tensors the step's host reads are answered below the meter, as
+                # --rehearse answers them (memory/rehearsal.py's HostReads)
+                with HostReads() if rehearse else contextlib.nullcontext():
+                    meter.start()
+                    train.train_step(model, opt, [batch], step_cfg)
+                    meter.stop()
                 peaks.append(meter.peak_bytes)
                 moved = pool.reset_step()
         out.append({"peaks": peaks, "pinned": moved.pinned_bytes, "d2h": moved.d2h_bytes})
@@ -336,8 +340,9 @@ def _plan(name):
 
 def _rehearse(world: int, specs) -> list:
     """_steps on fake tensors, this process as rank 0 of a fake process group of `world`."""
-    from memory.rehearsal import fake_process_group
+    from memory.rehearsal import ask_real_kernels, fake_process_group
 
+    ask_real_kernels(torch.device("cpu"))  # before any fake tensor, as --rehearse does
     with fake_process_group(world):
         return _steps(0, world, specs, rehearse=True)
 

@@ -304,3 +304,43 @@ def test_router_aux_loss_flag_and_its_refusal_on_a_dense_model(tmp_path):
     argv = ["--model", "tiny", "--router-aux-loss", "--check-only", "--out", str(tmp_path / "o")]
     with pytest.raises(ConfigError, match="no router"):
         train.main(argv)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor methods that read values back to the host (each a sync on a GPU)."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_each_sparse_layer_reads_its_counts_once_a_pass(monkeypatch):
+    """A sparse layer reads its experts' token counts to the host once in its forward and once
+    in its backward; a checkpoint's recompute reads nothing (the block skips). Two sparse layers
+    (layer 1 is dense), whole-layer recompute: two reads in the forward, two in the backward. In
+    the forward nothing else reads a value back (a torch function mode sees every method call;
+    autograd's engine runs the backward outside it, so there the counts' reads are counted)."""
+    import model.moe as moe
+    from model.checkpoint_offload import apply_offload
+
+    reads = []
+    real = moe._host_counts
+    monkeypatch.setattr(moe, "_host_counts", lambda c, n: reads.append(n) or real(c, n))
+    torch.manual_seed(0)
+    model = Qwen3(MOE)
+    apply_offload(model, offload=False)
+    ids = torch.randint(0, MOE.vocab_size, (1, 48))
+    positions = torch.arange(48)[None]
+    with HostReads() as forward:
+        out = model(ids, positions)
+    assert forward.calls == ["tolist"] * 2 and len(reads) == 2
+    out.float().pow(2).mean().backward()
+    assert reads == [48 * MOE.num_experts_per_tok] * 4  # each the layer's token-expert pairs

@@ -231,6 +231,46 @@ def test_a_part_that_did_not_run_leaves_its_rate_assumed(tmp_path):
         read_calibration(str(tmp_path / "bad.json"))
 
 
+# docs/numbers.md, one H200 in one process at the sp=8 rank's 1M-token shape: flash's forward and
+# backward a layer, cuDNN's; and flash with cumulative lengths over 11 near-equal documents
+FLASH_S, CUDNN_S, ELEVEN_BOOKS_S = 3.56 + 8.56, 2.30 + 5.28, 1.093
+
+
+def _attention_seconds(t) -> float:
+    return sum(ph.terms.get("attention kernels", 0.0) for ph in t.phases)
+
+
+def test_two_documents_a_row_are_timed_at_flashs_rate_not_the_streams(tmp_path):
+    """--doc-len 524288: two documents a row run flash's variable-length kernel, so their
+    attention takes the documents' FLOPs at the stream's 530 TFLOP/s x cuDNN's 7.58 s over
+    flash's 12.12 s (331 TFLOP/s); with a calibration, at its documents part's rate: 11 books of
+    1,048,576 / 11 tokens on 4 heads of 128 in 1.093 s, forward + 2.5 x backward (328 TFLOP/s)."""
+    p = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True, doc_len=524_288)
+    L = QWEN3_8B.num_hidden_layers
+    square = 2 * 524_288**2  # forward 2 x square x heads x head_dim a layer, 8 ranks
+    fwd, bwd = L * 2.0 * square * 32 * 128, L * 2.5 * 2.0 * square * 32 * 128
+    flash = 530e12 * CUDNN_S / FLASH_S * 8
+    assert _attention_seconds(project(p)) == pytest.approx((fwd + bwd) / flash, rel=1e-9)
+    stream_rate = (fwd + bwd) / (530e12 * 8)
+    assert _attention_seconds(project(p)) > 1.5 * stream_rate  # not the stream's rate
+
+    path = _gpu_check_json(tmp_path / "docs.json")
+    d = json.loads((tmp_path / "docs.json").read_text())
+    long = {"documents": 11, "longest": 95_326, "per_layer_s": ELEVEN_BOOKS_S}
+    d["documents"] = {"status": "ok", "tokens": T_1M, "heads": [4, 1, 128], "long": long}
+    (tmp_path / "docs.json").write_text(json.dumps(d))
+    rates = read_calibration(path)
+    books = 10 * 95_325**2 + 95_326**2  # 1,048,576 = 10 x 95,325 + 95,326
+    measured = 3.5 * 2.0 * books * 4 * 128 / ELEVEN_BOOKS_S
+    assert rates.documents_tflops * 1e12 == pytest.approx(measured, rel=1e-12)
+    assert rates.says("documents_tflops") == "measured" and 320 < measured / 1e12 < 335
+    t = project(p, rates)
+    assert _attention_seconds(t) == pytest.approx((fwd + bwd) / (measured * 8), rel=1e-9)
+    # the stream at the same rates: the attention part's 2.0 s a layer forward, not the documents'
+    stream = plan(QWEN3_8B, T_1M, gpus=8, sp=8, save_attention=True)
+    assert project(stream, rates).phases[0].terms["attention kernels"] == pytest.approx(L * 2.0)
+
+
 def test_dry_run_prints_the_projection_next_to_the_floor_and_follows_a_calibration(tmp_path):
     L = QWEN3_8B.num_hidden_layers
     a2a = exchange_volumes(QWEN3_8B, T_1M, 8)["projected_s_per_step"]
