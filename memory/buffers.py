@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 from enum import Enum
 
-from memory.model_size import adapter_shapes
+from memory.model_size import DELTA_RULE_CHUNK, adapter_shapes
 from model.attention import backward_workspace_bytes, varlen_backward_workspace_bytes
 from model.config import Qwen3Config
+from model.delta_rule import BLOCK_CHUNKS
 from model.lora import LoraSpec
 from model.moe import TILE as MOE_TILE
 from model.qwen3 import RMSNORM_CHUNK_ELEMS
@@ -41,6 +42,14 @@ class Buffer(str, Enum):
     POST_NORM = "post-attention norm"
     MLP_INPUT = "MLP input (normed h)"
     MLP_INTERMEDIATES = "MLP gate, up, act, product"
+    # a Gated DeltaNet layer's (Qwen3.5, model/qwen3_5.py) in place of attention's, in the same
+    # order; per GPU: [t, X] token-local, or [T, X / sp] after the exchange (the same bytes)
+    GDN_CONV = "GDN conv: channel copy, K-1 shifted products, output [t, C] (+ [T] reach masks)"
+    GDN_QKV = "GDN delta rule's q, k, v: conv's silu output [t, C] and v's copy [t, nv, dv]"
+    GDN_GATES = "GDN decays and step sizes [t, nv]: fp32 softplus input and output, g; beta"
+    GDN_STATES = "GDN delta rule's fp32 state at each 1,024-token block's start [nv/sp, dk, dv]"
+    GDN_NORM = "GDN gated norm: fp32 input, z and silu(z), normed and weighted rows, fp32 1/rms"
+    GDN_OUT_PROJ_INPUT = "GDN out_proj input [t, nv x dv]"
     # LoRA (model/lora.py): what the adapters save for their gradients (see _lora_saved)
     LORA_QKV = "LoRA q, k, v adapters: x A^T [t, rank] (with dropout: dropped x and mask)"
     LORA_O = "LoRA o_proj adapter: x A^T [t, rank] (with dropout: dropped x and mask)"
@@ -72,11 +81,20 @@ class Buffer(str, Enum):
     DOCUMENTS_PADDING = "flash varlen fp32 dq accumulator and delta: 128 padding rows a document"
     QKV_GRAD = "dq, dk, dv [t, heads, hd]"
     LAYER_GRADS = "this layer's unsharded gradients so far"
+    # around a Gated DeltaNet layer's recompute and backward
+    GDN_PACKED = "GDN projections packed per key head [t, nk, 2 dk + r (dv + 2)] (forward's local)"
+    GDN_OUT = "GDN delta rule output [t, nv, dv] and z [t, nv x dv] (forward's locals)"
+    GDN_NORM_TEMPORARIES = "GDN gated norm forward: fp32 product and its cast [t, nv x dv]"
+    GDN_NORM_GRADS = "GDN gated norm backward: fp32 gradient, its products, a cast [t, nv x dv]"
+    GDN_RULE_GRADS = "GDN delta rule backward: output gradient, dq, dk, dv, dg, dbeta"
+    GDN_BLOCK = "GDN delta rule backward: one 1,024-token block's fp32 working set"
+    GDN_INPUT_GRAD = "GDN in_proj input gradient [t, H], z's part in"
     # a mixture-of-experts layer (model/moe.py) in place of the MLP
     MOE_ROUTING = "MoE routing: the chosen experts and weights, pairs sorted by expert"
     MOE_ROUTER = "MoE router logits and fp32 probabilities [t, experts]"
     MOE_TILE = "MoE tile: its tokens, gate/up, act, product, output (+ their gradients)"
     MOE_WEIGHT_GRAD_ACC = "MoE fp32 weight-gradient accumulators of one expert (3 x H x I)"
+    MOE_SHARED = "MoE shared expert: gate, up, act, product [t, S] and its gate (+ gradients)"
     # FSDP2
     GATHERED_LAYER = "gathered layer (bf16)"
     NEXT_UNIT = "next unit, prefetched"
@@ -157,6 +175,7 @@ def layer_saved_bytes(
     compute_bytes: int = 2,
     lora: LoraSpec | None = None,
     device: str = "cuda",
+    linear: bool = False,
 ) -> dict[Buffer, int]:
     """What autograd keeps for one decoder layer's backward once it has been recomputed.
 
@@ -169,6 +188,8 @@ def layer_saved_bytes(
     lora: a frozen weight's linear saves nothing of its input, so an input is kept only where an
     adapter without dropout saves it (tiled, the MLP's input always); the adapters save what
     _lora_saved counts, whose dropout mask is 1 byte an element on CUDA, b on a CPU.
+    linear: a Qwen3.5 Gated DeltaNet layer: its block's (gdn_saved_bytes) in attention's place;
+    its projections take no adapters, so they save their (normed) input.
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
@@ -180,17 +201,23 @@ def layer_saved_bytes(
     def input_saved(names: set[str]) -> bool:  # by these linear layers' own backward
         return lora is None or (lora.dropout == 0 and bool(names & set(lora.targets)))
 
+    if linear:
+        mixer = {Buffer.NORMED_INPUT: X, **gdn_saved_bytes(c, t, sp, b)}
+    else:
+        mixer = {
+            Buffer.NORMED_INPUT: X if input_saved({"q_proj", "k_proj", "v_proj"}) else 0,
+            Buffer.LORA_QKV: _lora_saved(c, lora, {"q_proj", "k_proj", "v_proj"}, t, b, mask),
+            Buffer.QK_NORMS: _norm_saved(t * nh, hd, b, fused_norm, False)
+            + _norm_saved(t * nkv, hd, b, fused_norm, False),
+            Buffer.QKV_AT_SDPA: Q + 2 * K,  # q, and k and v
+            Buffer.ATTN_OUT: Q,
+            Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T] in fp32 (4 bytes)
+            Buffer.O_PROJ_INPUT: Q if sp > 1 and input_saved({"o_proj"}) else 0,
+            Buffer.LORA_O: _lora_saved(c, lora, {"o_proj"}, t, b, mask),
+        }
     return {
         Buffer.INPUT_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=True),
-        Buffer.NORMED_INPUT: X if input_saved({"q_proj", "k_proj", "v_proj"}) else 0,
-        Buffer.LORA_QKV: _lora_saved(c, lora, {"q_proj", "k_proj", "v_proj"}, t, b, mask),
-        Buffer.QK_NORMS: _norm_saved(t * nh, hd, b, fused_norm, False)
-        + _norm_saved(t * nkv, hd, b, fused_norm, False),
-        Buffer.QKV_AT_SDPA: Q + 2 * K,  # q, and k and v
-        Buffer.ATTN_OUT: Q,
-        Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T] in fp32 (4 bytes)
-        Buffer.O_PROJ_INPUT: Q if sp > 1 and input_saved({"o_proj"}) else 0,
-        Buffer.LORA_O: _lora_saved(c, lora, {"o_proj"}, t, b, mask),
+        **mixer,
         Buffer.POST_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=False),
         # a MoE block (model/moe.py) saves its input whatever is frozen, and no intermediates:
         # its loop recomputes them per tile; its sparse layers have no MLP adapters
@@ -205,6 +232,100 @@ def layer_saved_bytes(
         Buffer.LORA_MLP: 0
         if tiled_mlp or c.num_experts
         else _lora_saved(c, lora, MLP_PROJECTIONS, t, b, mask),
+    }
+
+
+def gdn_saved_bytes(config: Qwen3Config, tokens: int, sp: int, compute_bytes: int = 2) -> dict:
+    """What a Gated DeltaNet block (model/qwen3_5.py's GatedDeltaNet, model/ulysses.py's
+    exchange for sp > 1) saves for backward once recomputed, in forward order, per GPU at `tokens`
+    local tokens: t x C channels token-local, or T x C/sp after the exchange (the same bytes).
+    Counted against autograd's saved tensors and the CPU meter (tests/test_memory_plan.py):
+      GDN_CONV: the conv (causal_depthwise_conv) saves its channel copy (the packed split, made
+        contiguous), each of its K - 1 shifted products and its sum, silu's input: (K + 1) x [t, C];
+        the K - 1 [T, 1] masks that stop a tap at a document start; its filters [C/sp, K];
+      GDN_QKV: silu's output, of which q and k are views the delta rule saves, and v's contiguous
+        copy [t, nv, dv];
+      GDN_GATES: g = -exp(A_log) * softplus(a + dt_bias) keeps three fp32 [t, nv] (softplus's
+        input and output, g), and beta = sigmoid(b) one in the compute dtype;
+      GDN_STATES: model/delta_rule.py's forward keeps the fp32 state [nv/sp, dk, dv] at the start
+        of each block of BLOCK_CHUNKS x 64 = 1,024 tokens but the first: ceil(T / 1,024) - 1;
+      GDN_NORM: GatedRMSNorm saves x and z upcast to fp32, silu(z) in fp32, the normed rows and
+        their product with the weight in the compute dtype (12 + 2b bytes an element; with b = 4
+        the upcasts are x and z themselves: 20), and the fp32 1/rms per row of dv;
+      GDN_OUT_PROJ_INPUT: the norm's output, out_proj's input."""
+    c, b, t = config, compute_bytes, tokens
+    nk, nv, dk, dv = (
+        c.linear_num_key_heads,
+        c.linear_num_value_heads,
+        c.linear_key_head_dim,
+        c.linear_value_head_dim,
+    )
+    C, vd, K, T = 2 * nk * dk + nv * dv, nv * dv, c.linear_conv_kernel_dim, t * sp
+    block = BLOCK_CHUNKS * DELTA_RULE_CHUNK
+    return {
+        Buffer.GDN_CONV: (K + 1) * t * C * b + (K - 1) * T * b + C // sp * K * b,
+        Buffer.GDN_QKV: t * C * b + t * vd * b,
+        Buffer.GDN_GATES: t * nv * (3 * 4 + b),
+        Buffer.GDN_STATES: (-(-T // block) - 1) * (nv // sp) * dk * dv * 4,
+        Buffer.GDN_NORM: t * vd * (12 + 2 * b) + t * nv * 4,
+        Buffer.GDN_OUT_PROJ_INPUT: t * vd * b,
+    }
+
+
+# The delta rule's backward recomputes one block (1,024 tokens) with autograd and takes its
+# gradients: its fp32 C x C decays, masks, inverse and products and the [C, dk + dv] rows and
+# their gradients, for the block's nv/sp heads. Fitted to the CPU meter at dk = dv = 16 and 64
+# (chunk 64, 4 to 16 value heads): 9 tensors of [1,024, 64] and 23 of [1,024, (dk + dv) / 2] fp32
+# a head, within 2%.
+GDN_BLOCK_CC, GDN_BLOCK_CD = 9, 23
+
+
+def _gdn_block(c: Qwen3Config, tokens: int, sp: int) -> int:
+    """GDN_BLOCK's bytes: one block's backward working set (the comment above)."""
+    T, C = tokens * sp, DELTA_RULE_CHUNK
+    rows = min(BLOCK_CHUNKS * C, -(-T // C) * C)  # a short row is one block of whole chunks
+    d = (c.linear_key_head_dim + c.linear_value_head_dim) / 2
+    return int(c.linear_num_value_heads // sp * rows * 4 * (GDN_BLOCK_CC * C + GDN_BLOCK_CD * d))
+
+
+def _gdn_moments(c: Qwen3Config, t: int, sp: int, b: int, saved: dict, io: dict, grads: int):
+    """A recomputed Gated DeltaNet layer's own moments (layer_backward_moments' docstring)."""
+    nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
+    C, vd, X = (
+        2 * nk * dk + nv * c.linear_value_head_dim,
+        nv * c.linear_value_head_dim,
+        t * c.hidden_size * b,
+    )
+    HV = c.hidden_size * vd * b  # out_proj's (and in_proj_z's) weight gradient
+    return {
+        "Gated DeltaNet recompute (gated norm)": {
+            **io,
+            **_saved_through(saved, Buffer.GDN_NORM),
+            Buffer.OUTPUT_GRAD: X,
+            Buffer.GDN_PACKED: t * (C + 2 * nv) * b,
+            Buffer.GDN_OUT: 2 * t * vd * b,
+            Buffer.GDN_NORM_TEMPORARIES: t * vd * (4 + b),
+        },
+        "Gated DeltaNet gated norm backward": {
+            **io,
+            **_saved_through(saved, Buffer.GDN_NORM),
+            Buffer.RESIDUAL_GRAD: X,
+            # the gradient upcast, its products with silu(z) and with the weighted rows (fp32),
+            # and the first one's cast
+            Buffer.GDN_NORM_GRADS: t * vd * (12 + b),
+            Buffer.LAYER_GRADS: grads + HV,
+        },
+        "Gated DeltaNet delta rule backward": {
+            **io,
+            **_saved_through(saved, Buffer.GDN_STATES),
+            Buffer.RESIDUAL_GRAD: X,
+            Buffer.GDN_INPUT_GRAD: X,
+            # the output's gradient, and the zeroed gradients of q, k [t, nk, dk], v [t, nv, dv],
+            # g (fp32) and beta [t, nv]
+            Buffer.GDN_RULE_GRADS: t * vd * b + 2 * t * nk * dk * b + t * vd * b + t * nv * (4 + b),
+            Buffer.GDN_BLOCK: _gdn_block(c, t, sp),
+            Buffer.LAYER_GRADS: grads + 2 * HV,
+        },
     }
 
 
@@ -313,6 +434,7 @@ def layer_backward_moments(
     attn_backend: str = "cudnn",
     lora: LoraSpec | None = None,
     documents: int = 0,
+    linear: bool = False,
 ) -> dict[str, dict[Buffer, int]]:
     """The activation bytes of one recomputed decoder layer's backward at its moments.
 
@@ -346,7 +468,21 @@ def layer_backward_moments(
     the product's gradient is the given one (still referenced) summed with the adapter's part,
     and the adapter's output is held while autograd takes the tile's gradients.
     A mixture of experts' moments are a sparse layer's (model/moe.py), the largest: under LoRA
-    its experts are frozen (no expert accumulators) and its adapters are attention's alone.
+    its experts are frozen (no expert accumulators) and its adapters are attention's alone. A
+    Qwen3.5 MoE's shared expert (model/qwen3_5.py's SharedExpertMoe) runs as a plain SwiGLU in the
+    recompute and its backward comes before the routed experts': "MoE shared expert backward"
+    holds gate, up, act and the gradients of product, act and up (6 x [t, S]), with its output
+    gradient; by the routed experts' backward it has left its input's gradient [t, H] and its
+    weights' gradients (3 x H x S and the gate's H).
+    linear (a Qwen3.5 Gated DeltaNet layer, model/qwen3_5.py): the MLP's moments over its saved
+    tensors (gdn_saved_bytes), then its own, measured with the CPU meter:
+      "Gated DeltaNet recompute (gated norm)": the recompute's forward at the gated norm's last
+        product, where the forward still holds the packed projections, the delta rule's output
+        and z as locals, with the norm's fp32 product and its cast, and the layer's output
+        gradient: the largest moment of a GDN layer at Qwen3.5's shapes;
+      "Gated DeltaNet gated norm backward": the norm's fp32 gradient, its two products and a cast;
+      "Gated DeltaNet delta rule backward": the zeroed gradients of q, k, v, g, beta, the output's
+        gradient, z's part of the input gradient, and one block's working set (_gdn_block).
     """
     c, b, t = config, compute_bytes, tokens
     H, inter, hd, nh = c.hidden_size, c.intermediate_size, c.head_dim, c.num_attention_heads
@@ -362,6 +498,7 @@ def layer_backward_moments(
         compute_bytes=b,
         lora=lora,
         device=device,
+        linear=linear,
     )
     if lora is not None:  # elements of the layer's adapters, and of its MLP's
         shapes = adapter_shapes(c, lora)  # the largest layer's: a MoE's sparse one, no MLP adapters
@@ -383,6 +520,8 @@ def layer_backward_moments(
             if lora is not None
             else _moe_accumulators(c, t, mlp_tile),
             Buffer.MLP_INPUT_GRAD_BUFFER: X,
+            # a shared expert's part of the input gradient, waiting for the routed experts'
+            Buffer.MOE_SHARED: X if c.shared_expert_intermediate_size else 0,
         }
         inter = c.num_experts * moe  # the layer's MLP gradients: every expert's
     elif tiled_mlp:  # model/tiled_mlp.py: it holds a tile's product while taking its grad
@@ -457,9 +596,41 @@ def layer_backward_moments(
     HI, HQ = H * inter * b, H * nh * hd * b
     # MoE: HI is every expert's, and the experts' stacked gradients are made whole up front
     grads = [3 * HI if c.num_experts else 0 if tiled_mlp else HI, 3 * HI, 3 * HI + HQ, 3 * HI + HQ]
+    S = c.shared_expert_intermediate_size if c.num_experts else 0
+    HS = (3 * S + 1) * H * b  # a shared expert's weight gradients and its gate's [1, H]
+    grads = [g + HS for g in grads]
     if lora is not None:  # the frozen weights make none: only the adapters' (see above)
         grads = [adapter_elements * b] * 4
+    shared = {}
+    if S:  # before the routed experts' backward: its product's, with down_proj's gradient made
+        shared = {
+            "MoE shared expert backward": {
+                **io,
+                **_saved_through(saved, Buffer.MLP_INPUT),
+                Buffer.OUTPUT_GRAD: X,
+                Buffer.MOE_SHARED: 6 * t * S * b,
+                Buffer.LAYER_GRADS: H * S * b if lora is None else grads[0],
+            }
+        }
+    if linear:
+        return {
+            **shared,
+            "MLP backward": {
+                **io,
+                **_saved_through(saved, Buffer.MLP_INPUT),
+                **mlp,
+                Buffer.LAYER_GRADS: grads[0],
+            },
+            "post-attention norm backward": {
+                **io,
+                **_saved_through(saved, Buffer.POST_NORM),
+                **post,
+                Buffer.LAYER_GRADS: grads[1],
+            },
+            **_gdn_moments(c, t, sp, b, saved, io, grads[1]),
+        }
     return {
+        **shared,
         "MLP backward": {
             **io,
             **_saved_through(saved, Buffer.MLP_INPUT),

@@ -42,9 +42,10 @@ def param_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
 
 
 def _layer_shapes(c: Qwen3Config, i: int | None = None) -> dict[str, tuple[int, ...]]:
-    """Layer i's parameter shapes; i None: the largest layer (a sparse one, if any)."""
+    """Layer i's parameter shapes; i None: the largest layer (a sparse one, if any; of a hybrid's
+    two kinds, Gated DeltaNet or attention, the one with more elements)."""
     if i is None:
-        i = next((j for j in range(c.num_hidden_layers) if c.is_sparse_layer(j)), 0)
+        i = _largest_layer(c)
     H, inter, hd = c.hidden_size, c.intermediate_size, c.head_dim
     q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
     mlp = {
@@ -59,17 +60,68 @@ def _layer_shapes(c: Qwen3Config, i: int | None = None) -> dict[str, tuple[int, 
             "mlp.experts.gate_up_proj": (E, 2 * moe, H),
             "mlp.experts.down_proj": (E, H, moe),
         }
+        if c.shared_expert_intermediate_size:  # Qwen3.5 MoE: a gated shared expert beside them
+            s = c.shared_expert_intermediate_size
+            mlp |= {
+                "mlp.shared_expert.gate_proj.weight": (s, H),
+                "mlp.shared_expert.up_proj.weight": (s, H),
+                "mlp.shared_expert.down_proj.weight": (H, s),
+                "mlp.shared_expert_gate.weight": (1, H),
+            }
+    if c.is_linear_layer(i):
+        mixer = _gdn_shapes(c)
+    else:  # Qwen3.5's gated attention: q_proj gives each head's query and its output gate
+        mixer = {
+            "self_attn.q_proj.weight": (q * (2 if c.attn_output_gate else 1), H),
+            "self_attn.k_proj.weight": (kv, H),
+            "self_attn.v_proj.weight": (kv, H),
+            "self_attn.o_proj.weight": (H, q),
+            "self_attn.q_norm.weight": (hd,),
+            "self_attn.k_norm.weight": (hd,),
+        }
     return {
-        "self_attn.q_proj.weight": (q, H),
-        "self_attn.k_proj.weight": (kv, H),
-        "self_attn.v_proj.weight": (kv, H),
-        "self_attn.o_proj.weight": (H, q),
-        "self_attn.q_norm.weight": (hd,),
-        "self_attn.k_norm.weight": (hd,),
+        **mixer,
         **mlp,
         "input_layernorm.weight": (H,),
         "post_attention_layernorm.weight": (H,),
     }
+
+
+def _gdn_shapes(c: Qwen3Config) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet block's parameters (model/qwen3_5.py's GatedDeltaNet, transformers'
+    names): the q|k|v, z, b and a projections, the depthwise conv [C, 1, K], the decays' dt_bias
+    and A_log per value head, the gated norm over a value head, out_proj."""
+    H, nv = c.hidden_size, c.linear_num_value_heads
+    kd = c.linear_num_key_heads * c.linear_key_head_dim
+    vd = nv * c.linear_value_head_dim
+    conv = 2 * kd + vd
+    return {
+        "linear_attn.in_proj_qkv.weight": (conv, H),
+        "linear_attn.in_proj_z.weight": (vd, H),
+        "linear_attn.in_proj_b.weight": (nv, H),
+        "linear_attn.in_proj_a.weight": (nv, H),
+        "linear_attn.conv1d.weight": (conv, 1, c.linear_conv_kernel_dim),
+        "linear_attn.dt_bias": (nv,),
+        "linear_attn.A_log": (nv,),
+        "linear_attn.norm.weight": (c.linear_value_head_dim,),
+        "linear_attn.out_proj.weight": (H, vd),
+    }
+
+
+@functools.cache
+def _largest_layer(c: Qwen3Config) -> int:
+    """The index of the layer with the most parameter elements: the first of each kind (sparse
+    or dense, Gated DeltaNet or attention) stands for its kind; ties go to the earlier kind."""
+    firsts = {}
+    for j in range(c.num_hidden_layers):
+        firsts.setdefault((c.is_sparse_layer(j), c.is_linear_layer(j)), j)
+    kinds = sorted(firsts.values())
+    return max(kinds, key=lambda j: (sum(math.prod(s) for s in _layer_shapes(c, j).values()), -j))
+
+
+def layer_indices(c: Qwen3Config, linear: bool) -> list[int]:
+    """The Gated DeltaNet layers (linear=True) or the attention layers of c (all of a Qwen3's)."""
+    return [i for i in range(c.num_hidden_layers) if c.is_linear_layer(i) == linear]
 
 
 def adapter_shapes(
@@ -143,6 +195,12 @@ class FsdpUnits:
     layer_grad_shard: int  # bytes of one rank's fp32 gradient shards of a decoder layer
     head_grad_gathered: int  # elements of the untied [norm + lm_head] unit's, all-gathered
     head_grad_shard: int  # bytes of one rank's fp32 gradient shards of embedding, norm, lm_head
+    # Per decoder layer, layer 0 first (a hybrid's Gated DeltaNet and attention layers differ;
+    # the fields above are the largest layer's): its all-gathered elements, its trained
+    # parameters' all-gathered elements, and one rank's bytes of their fp32 gradient shards
+    layers_gathered: tuple[int, ...] = ()
+    layers_grad_gathered: tuple[int, ...] = ()
+    layers_grad_shard: tuple[int, ...] = ()
 
 
 @functools.cache  # the layout chooser plans one model hundreds of times
@@ -171,6 +229,19 @@ def fsdp_units(
     if not c.tie_word_embeddings:
         head["lm_head.weight"] = emb
     head_trained = [v for k, v in head.items() if trains(k, lora)]
+    kinds = {}  # the per-layer figures, worked out once per kind of layer
+    per_layer = []
+    for i in range(c.num_hidden_layers):
+        kind = (c.is_sparse_layer(i), c.is_linear_layer(i))
+        if kind not in kinds:
+            own = {**_layer_shapes(c, i), **(adapter_shapes(c, lora, i) if lora else {})}
+            trained_own = [v for k, v in own.items() if trains(f"model.layers.{i}.{k}", lora)]
+            kinds[kind] = (
+                _gathered_numel(own.values(), world),
+                _gathered_numel(trained_own, world),
+                sum(shard_numel(s, world) for s in trained_own) * master_bytes,
+            )
+        per_layer.append(kinds[kind])
     return FsdpUnits(
         layer_gathered=_gathered_numel(layer, world),
         emb_gathered=_gathered_numel([emb], world),
@@ -184,31 +255,56 @@ def fsdp_units(
         layer_grad_shard=sum(shard_numel(s, world) for s in layer_trained) * master_bytes,
         head_grad_gathered=_gathered_numel(head_trained, world),
         head_grad_shard=sum(shard_numel(s, world) for s in head_trained) * master_bytes,
+        layers_gathered=tuple(g for g, _, _ in per_layer),
+        layers_grad_gathered=tuple(g for _, g, _ in per_layer),
+        layers_grad_shard=tuple(n for _, _, n in per_layer),
     )
 
 
 @functools.cache  # step_flops runs for every layout the chooser plans
 def _matmul_params_per_token(c: Qwen3Config) -> int:
     """Matrix-product parameters one token meets in all decoder layers: the sum of
-    _active_matmul_params, counted once per kind of layer (dense, sparse), not once per layer (the
-    layout chooser plans ~500 layouts of a 64-layer model)."""
-    sparse = [i for i in range(c.num_hidden_layers) if c.is_sparse_layer(i)]
-    dense = [i for i in range(c.num_hidden_layers) if not c.is_sparse_layer(i)]
-    total = 0
-    for layers in (dense, sparse):
-        if layers:
-            total += len(layers) * _active_matmul_params(c, layers[0])
-    return total
+    _active_matmul_params, counted once per kind of layer (dense or sparse, Gated DeltaNet or
+    attention), not once per layer (the layout chooser plans ~500 layouts of a 64-layer model)."""
+    kinds: dict[tuple[bool, bool], list[int]] = {}
+    for i in range(c.num_hidden_layers):
+        kinds.setdefault((c.is_sparse_layer(i), c.is_linear_layer(i)), []).append(i)
+    return sum(len(layers) * _active_matmul_params(c, layers[0]) for layers in kinds.values())
 
 
 def _active_matmul_params(c: Qwen3Config, i: int) -> int:
     """Matrix-product parameters one token meets in layer i: every 2-D weight of a dense layer;
-    in a sparse one the router and its top-k experts, not all of them."""
+    in a sparse one the router, the shared expert and its gate (Qwen3.5 MoE) and its top-k
+    experts, not all of them."""
     shapes = _layer_shapes(c, i)
     flat = sum(math.prod(s) for s in shapes.values() if len(s) == 2)
     if not c.is_sparse_layer(i):
         return flat
     return flat + c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
+
+
+# The gated delta rule's products (model/delta_rule.py's chunk form), per chunk of C tokens and
+# value head, key dim dk, value dim dv, 2 FLOPs per multiply-add:
+#   A = (K * beta) K^T                    [C, dk] x [dk, C]       2 C^2 dk
+#   W = (I + A)^-1 [V_b | K_bg]           [C, C] x [C, dv + dk]   2 C^2 (dv + dk)
+#   Q K^T                                 [C, dk] x [dk, C]       2 C^2 dk
+#   U = W_v - W_k S                       [C, dk] x [dk, dv]      2 C dk dv
+#   O = (exp(gam) Q) S + (Q K^T * D) U    [C, dk] x [dk, dv], [C, C] x [C, dv]
+#                                                                 2 C dk dv + 2 C^2 dv
+#   S' = exp(gam_C) S + K_d^T U           [dk, C] x [C, dv]       2 C dk dv
+# so per token and value head 2 C (3 dk + 2 dv) + 6 dk dv: 180,224 at C 64, dk = dv = 128. The
+# triangular solve (I + A)^-1 (C^3 / 3 multiply-adds a chunk) is left out, as torch's flop
+# counter leaves it out. Its backward recomputes one block's forward with autograd and takes
+# the gradients of those products: 1 + 2 forwards (GDN_BWD_FACTOR).
+DELTA_RULE_CHUNK = 64  # model/delta_rule.py's gated_delta_rule(chunk=64), what the model calls
+GDN_BWD_FACTOR = 3.0
+
+
+def gdn_flops_per_token(c: Qwen3Config) -> float:
+    """The delta rule's forward FLOPs per token in one Gated DeltaNet layer, all value heads
+    (the comment above: 180,224 per head at Qwen3.5's shapes; 5.77e6 for 32 heads)."""
+    C, dk, dv = DELTA_RULE_CHUNK, c.linear_key_head_dim, c.linear_value_head_dim
+    return c.linear_num_value_heads * (2.0 * C * (3 * dk + 2 * dv) + 6.0 * dk * dv)
 
 
 def attention_square(seq_len: int, doc_len: int = 0) -> int:
@@ -233,10 +329,13 @@ def step_flops(
 
     Forward: dense matmuls 2 x (non-embedding matmul parameters) x T; lm_head 2 x V x H x T
     (the embedding is a lookup); causal attention 2 x T^2/2 x heads x head_dim for QK^T and the
-    same for PV, per layer. Backward: 2x forward for matmuls; attention's backward is 2.5x its
-    forward (FlashAttention's backward does 5 T^2 products against the forward's 2, recomputing
-    QK^T). The one-pass loss does its 3 products in forward and none in backward: same count.
-    Recomputation adds one forward of the layers, without lm_head, with or without attention.
+    same for PV, per attention layer (a Qwen3.5's full-attention layers only); the Gated
+    DeltaNet layers' delta rule gdn_flops_per_token x T (its backward 3x: one block's forward
+    again, then the gradients), linear in T whether or not the row holds documents. Backward: 2x
+    forward for matmuls; attention's backward is 2.5x its forward (FlashAttention's backward does
+    5 T^2 products against the forward's 2, recomputing QK^T). The one-pass loss does its 3
+    products in forward and none in backward: same count. Recomputation adds one forward of the
+    layers (the delta rule's included), without lm_head, with or without attention.
     doc_len: rows of documents of this length (--documents masked): attention counts the sum of
     their squares instead of T^2 (attention_square); 0: one sequence per row.
     lora: the frozen weights' gradient products are skipped (backward 1x their forward: the
@@ -247,8 +346,9 @@ def step_flops(
     dense = 2.0 * _matmul_params_per_token(c) * T
     lm_head = 2.0 * c.vocab_size * c.hidden_size * T
     square = attention_square(T, doc_len)  # T^2 for one sequence
-    attn = c.num_hidden_layers * 2 * (2.0 * square / 2) * c.num_attention_heads * c.head_dim
-    model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn
+    attn = c.attention_layers * 2 * (2.0 * square / 2) * c.num_attention_heads * c.head_dim
+    gdn = c.linear_layers * gdn_flops_per_token(c) * T  # per document or not: linear in T
+    model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn + (1 + GDN_BWD_FACTOR) * gdn
     dense_bwd, loss = 2 * dense, 3 * lm_head
     if lora is not None:
         layers = range(c.num_hidden_layers)
@@ -259,13 +359,15 @@ def step_flops(
         dense_bwd = dense + 2 * adapter_fwd  # the frozen weights: their input's gradient only
         dense += adapter_fwd  # what a recompute runs again
         model = dense + dense_bwd + loss + (1 + attn_bwd_factor) * attn
+        model += (1 + GDN_BWD_FACTOR) * gdn
     return {
         "dense_fwd": dense,
         "lm_head_fwd": lm_head,
         "attention_fwd": attn,
+        "gdn_fwd": gdn,  # the delta rule's products (0 for a Qwen3); its backward 3x
         "dense_bwd": dense_bwd,
         "loss": loss,  # the loss's products, its weight's gradient included when it trains
         "model": model,
-        "no_attn_recompute": model + dense,
-        "full_recompute": model + dense + attn,
+        "no_attn_recompute": model + dense + gdn,  # a recompute runs the delta rule again
+        "full_recompute": model + dense + gdn + attn,
     }

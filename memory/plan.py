@@ -342,8 +342,14 @@ class Plan:
 
     @property
     def recomputed_layers(self) -> int:
-        """Layers whose recompute runs attention's forward again (their attention not kept)."""
-        return sum(p.attention == "recompute" for p in self.placements)
+        """Attention layers whose recompute runs attention's forward again (their attention not
+        kept); a hybrid's Gated DeltaNet layers are not counted: they have none."""
+        c = self.config
+        return sum(
+            p.attention == "recompute"
+            for i, p in enumerate(self.placements)
+            if not c.is_linear_layer(i)
+        )
 
     @property
     def device_kept(self) -> int:
@@ -465,11 +471,22 @@ def _pool_takes(o: Options, n: int) -> bool:
 
 
 def _layer_tensors(c: Qwen3Config, seq_len: int, sp: int, o: Options) -> tuple[int, int, int]:
-    """Bytes per GPU of a layer's input, attention out and lse (offloaded_tensors' shapes)."""
+    """Bytes per GPU of a layer's input, attention out and lse (offloaded_tensors' shapes; a
+    hybrid with no attention layer keeps no attention: 0)."""
     dtype = DTYPE_OF_BYTES[o.compute_bytes]
     every = [LayerPlacement("host", "host")] * c.num_hidden_layers
-    x, out, lse = offloaded_tensors(c, seq_len, sp, dtype=dtype, placements=every)
-    return x.nbytes, out.nbytes, lse.nbytes
+    kinds = offloaded_tensors(c, seq_len, sp, dtype=dtype, placements=every)
+    x, out, lse = (*(k.nbytes for k in kinds), 0, 0)[:3]
+    return x, out, lse
+
+
+def attention_placements(c: Qwen3Config, placements) -> list[LayerPlacement]:
+    """The placements as a step keeps them: a Qwen3.5 Gated DeltaNet layer has no attention to
+    keep, so its attention is "recompute" whatever it was given (its input stays where given)."""
+    return [
+        replace(p, attention="recompute") if c.is_linear_layer(i) else p
+        for i, p in enumerate(placements)
+    ]
 
 
 def _kept(c: Qwen3Config, seq_len: int, sp: int, o: Options, placements) -> tuple[_Kept, ...]:
@@ -492,18 +509,24 @@ def _kept(c: Qwen3Config, seq_len: int, sp: int, o: Options, placements) -> tupl
     return tuple(of_placement[p] for p in placements)
 
 
-def _backward_layers(kept: tuple[_Kept, ...]) -> list[int]:
+def _backward_layers(kept: tuple[_Kept, ...], kinds: tuple = ()) -> list[int]:
     """The layers whose backward moments can be the largest, in backward order (L-1 first).
 
     Within a run of layers that keep alike, going down one layer adds one gradient shard and
     frees one layer's kept tensors, and the prefetched group is the same layer's from the run's
     second layer on: each moment is linear over the run, so its largest is at the run's ends, or
-    at its second layer. One placement for all: layers L-1, 1 and 0.
+    at its second layer. One placement for all: layers L-1, 1 and 0. kinds: each layer's kind
+    (a hybrid's Gated DeltaNet and attention layers have their own moments): the same three
+    taken among each kind's layers of a run. Its gradient shards then grow by whole periods of
+    the kinds, linear but for at most one layer's shard difference between the kinds.
     """
+    kinds = kinds or (0,) * len(kept)
     layers, start = set(), 0
     for i in range(1, len(kept) + 1):
         if i == len(kept) or kept[i] != kept[start]:
-            layers |= {start, min(start + 1, i - 1), i - 1}
+            for kind in set(kinds[start:i]):
+                own = [j for j in range(start, i) if kinds[j] == kind]
+                layers |= {own[0], own[min(1, len(own) - 1)], own[-1]}
             start = i
     return sorted(layers, reverse=True)
 
@@ -525,15 +548,17 @@ def _fsdp_at_layer(c: Qwen3Config, o: Options, u: FsdpUnits, i: int) -> tuple[di
     tied_grad = tied and trains("model.embed_tokens.weight", o.lora)
     staged = u.layer_shard if o.cpu_offload and o.device == "cuda" else 0
     head_shards = 0 if tied else u.head_grad_shard  # what trains of it (LoRA: maybe nothing)
-    before = u.layer_grad_gathered if i < L - 1 else (0 if tied else u.head_grad_gathered)
+    before = u.layers_grad_gathered[i + 1] if i < L - 1 else (0 if tied else u.head_grad_gathered)
+    below = u.layers_gathered[i - 1] if i > 0 else (0 if tied else u.emb_gathered)
     gathered = {
-        Buffer.GATHERED_LAYER: u.layer_gathered * b,
-        Buffer.NEXT_UNIT: u.layer_gathered * b if i > 0 else (0 if tied else u.emb_gathered * b),
+        Buffer.GATHERED_LAYER: u.layers_gathered[i] * b,
+        Buffer.NEXT_UNIT: below * b,
         Buffer.TIED_EMBEDDING: u.emb_gathered * b if tied else 0,
     }
+    reduced = sum(u.layers_grad_shard[i + 1 :])  # the layers above i, each its own size
     working = {
         Buffer.REDUCE_SCATTER_INPUT: before * o.master_bytes,
-        Buffer.GRAD_SHARDS: 0 if o.cpu_offload else (L - 1 - i) * u.layer_grad_shard + head_shards,
+        Buffer.GRAD_SHARDS: 0 if o.cpu_offload else reduced + head_shards,
         Buffer.TIED_EMBEDDING_GRAD: c.vocab_size * c.hidden_size * b if tied_grad else 0,
         Buffer.STAGED_SHARDS: staged,
         Buffer.STAGED_GRADS: staged,
@@ -565,7 +590,7 @@ def _step_moments(
     )
     head = {
         Buffer.GATHERED_HEAD: u.emb_gathered * o.compute_bytes,
-        Buffer.GATHERED_LAST_LAYER: u.layer_gathered * o.compute_bytes,
+        Buffer.GATHERED_LAST_LAYER: u.layers_gathered[-1] * o.compute_bytes,
     }
     on_device = {
         Buffer.KEPT_INPUTS: sum(k.device_input for k in kept),
@@ -576,26 +601,31 @@ def _step_moments(
     for name, working in loss.items():
         working = {k: v for k, v in {**working, **on_device}.items() if v}
         moments.append(Moment(name, None, dict(head), working))
-    backward = layer_backward_moments(
-        c,
-        t,
-        layout.sp,
-        offload=True,  # the layer's own input and the prefetched one; set per layer below
-        tiled_mlp=o.tiled_mlp,
-        mlp_tile=o.mlp_tile,
-        fused_norm=o.fused_norm,
-        compute_bytes=o.compute_bytes,
-        device=o.device,
-        norm_chunk=o.norm_chunk,
-        attn_backend=o.attn_backend,
-        lora=o.lora,
-        documents=row_documents(o, t * layout.sp),
-    )
+    backward = {  # a Qwen3's layers are all attention's (False); a hybrid's of both kinds
+        linear: layer_backward_moments(
+            c,
+            t,
+            layout.sp,
+            offload=True,  # the layer's own input and the prefetched one; set per layer below
+            tiled_mlp=o.tiled_mlp,
+            mlp_tile=o.mlp_tile,
+            fused_norm=o.fused_norm,
+            compute_bytes=o.compute_bytes,
+            device=o.device,
+            norm_chunk=o.norm_chunk,
+            attn_backend=o.attn_backend,
+            lora=o.lora,
+            documents=row_documents(o, t * layout.sp),
+            linear=linear,
+        )
+        for linear in {c.is_linear_layer(i) for i in range(c.num_hidden_layers)}
+    }
+    kinds = tuple(c.is_linear_layer(i) for i in range(c.num_hidden_layers))
     # the device-kept bytes of layers 0..i-1 at index i
     inputs_below = [0, *itertools.accumulate(k.device_input for k in kept)]
     attention_below = [0, *itertools.accumulate(k.device_attention for k in kept)]
     documents_below = [0, *itertools.accumulate(k.device_documents for k in kept)]
-    for i in _backward_layers(kept):
+    for i in _backward_layers(kept, kinds if c.hybrid else ()):
         gathered, fsdp = _fsdp_at_layer(c, o, u, i)
         fetched = next((k for k in reversed(kept[:i]) if k.in_pool), None)
         around = {
@@ -606,7 +636,7 @@ def _step_moments(
             Buffer.NEXT_ATTENTION: fetched.host_attention if fetched else 0,
             **fsdp,  # merged once: the same for each of the layer's moments
         }
-        for name, act in backward.items():
+        for name, act in backward[kinds[i]].items():
             working = {k: v for k, v in {**act, **around}.items() if v}
             moments.append(Moment(name, i, dict(gathered), working))
     return tuple(moments)
@@ -704,7 +734,8 @@ def _flops(c: Qwen3Config, seq_len: int, layout: Layout, o: Options, placements)
         c, seq_len, attn_bwd_factor=o.attn_bwd_factor, doc_len=o.doc_len, lora=o.lora
     )
     dp, rate = layout.dp, layout.gpus * o.tflops * 1e12 * o.mfu
-    recomputed = sum(p.attention == "recompute" for p in placements) / c.num_hidden_layers
+    attending = [p for i, p in enumerate(placements) if not c.is_linear_layer(i)]
+    recomputed = sum(p.attention == "recompute" for p in attending) / max(len(attending), 1)
     run = dp * (per_row["no_attn_recompute"] + recomputed * per_row["attention_fwd"])
     return Flops(
         full_recompute=dp * per_row["full_recompute"],
@@ -742,6 +773,7 @@ def plan(
         placements = default_placements(L, save_attention=o.save_attention, offload=o.offload)
     if len(placements) != L:
         raise ValueError(f"placements: {len(placements)} for {L} decoder layers (one each)")
+    placements = attention_placements(config, placements)
     if o.lora is not None and not trains("model.embed_tokens.weight", o.lora):
         # a frozen embedding's output needs no grad, so the pool leaves layer 0's input where
         # the checkpoint saved it (model/checkpoint_offload.py): on the device

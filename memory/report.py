@@ -39,7 +39,7 @@ from memory.plan import (
     describe_placements,
     plan,
 )
-from memory.steptime import Rates, project, read_calibration, startup
+from memory.steptime import GDN_OVER_KERNEL, Rates, project, read_calibration, startup
 from memory.sweep import format_sweep, sweep
 from model.config import PRESETS, load_config
 
@@ -352,9 +352,10 @@ def _secs(x: float) -> str:
     return f"{x:.1f} s" if x >= 1 else f"{x:.2g} s"
 
 
-def _format_rates(r: Rates, documents: bool = False) -> str:
+def _format_rates(r: Rates, documents: bool = False, gdn: bool = False) -> str:
     """The rates a projection used, each marked measured or assumed; documents: attention runs
-    on flash's variable-length kernel (a row of documents), at its own rate."""
+    on flash's variable-length kernel (a row of documents), at its own rate; gdn: a Qwen3.5's
+    Gated DeltaNet layers' delta rule runs at its own (memory/steptime.py's GDN_OVER_KERNEL)."""
     kernels = (
         ("matmuls", "matmul_tflops"),
         ("attention forward", "attention_fwd_tflops"),
@@ -372,6 +373,11 @@ def _format_rates(r: Rates, documents: bool = False) -> str:
             f"{label} {getattr(r, name):.3g} ({r.says(name)})" for label, name in kernels
         )
     adamw = f"{1e12 * r.adamw_s_per_param:.1f} ms per 1e9 elements"
+    if gdn:
+        rate = r.gdn_tflops or r.matmul_tflops * GDN_OVER_KERNEL
+        says = r.says("gdn_tflops")
+        says += ", projected: no GPU has timed it" if says == "assumed" else ""
+        kernel_text += f"; Gated DeltaNet delta rule {rate:.3g} TFLOP/s ({says})"
     return (
         f"  rates: kernels {kernel_text}; AdamW {adamw} ({r.says('adamw_s_per_param')}); "
         f"NVLink {r.nvlink_gbps:g}, InfiniBand {r.internode_gbps:g}, host copies "
@@ -395,7 +401,9 @@ def _format_step_time(p: Plan, rates: Rates | None) -> list[str]:
         f"over the step by step_flops' count",
         f"  {'floor: 100% of ' + f'{p.options.tflops:g} TFLOP/s':36}{_secs(t.floor_s):>10}   "
         f"the limit, not a projection",
-        _format_rates(t.rates, p.options.doc_len > 0 or p.options.documents > 0),
+        _format_rates(
+            t.rates, p.options.doc_len > 0 or p.options.documents > 0, p.config.linear_layers > 0
+        ),
     ]
     return out
 

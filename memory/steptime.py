@@ -42,7 +42,13 @@ import sys
 from dataclasses import asdict, dataclass, fields, replace
 
 from memory.buffers import Buffer
-from memory.model_size import cpu_offload_host_bytes, param_shapes, shard_numel, step_flops
+from memory.model_size import (
+    GDN_BWD_FACTOR,
+    cpu_offload_host_bytes,
+    param_shapes,
+    shard_numel,
+    step_flops,
+)
 from memory.plan import GB, Plan, plan
 from model.config import PRESETS, Qwen3Config, load_config
 
@@ -78,6 +84,11 @@ ATTENTION_ONCE_PASSES = (
 # (docs/numbers.md: flash 3.56 + 8.56 s a layer, cuDNN 2.30 + 5.28 s): 1.60. Without a
 # calibration, documents run at the stream's assumed rate over it: 331 TFLOP/s on an H100.
 FLASH_OVER_CUDNN = (3.56 + 8.56) / (2.30 + 5.28)
+# Qwen3.5's Gated DeltaNet layers: model/delta_rule.py's chunk form runs [64, 64]-sized batched
+# products and a Python step per chunk, far from the large matmuls' rate. No GPU has timed it
+# here: assumed at a tenth of the kernel rate (53 TFLOP/s on an H100) until a calibration of the
+# delta rule sets Rates.gdn_tflops. At Qwen3.5-9B's 1M tokens its FLOPs are 0.6% of the step's.
+GDN_OVER_KERNEL = 0.1
 
 
 @dataclass(frozen=True)
@@ -118,6 +129,9 @@ class Rates:
     # a row of documents' attention, forward and backward alike: flash's variable-length kernel
     documents_tflops: float
     adamw_s_per_param: float  # clipping and AdamW on the GPU, per fp32 element of the shard
+    # the Gated DeltaNet layers' delta rule (Qwen3.5), forward and backward: step_flops' gdn_fwd
+    # count (GDN_OVER_KERNEL); 0: the kernel rate's tenth
+    gdn_tflops: float = 0.0
     nvlink_gbps: float = NVLINK_GBPS
     internode_gbps: float = INTERNODE_GBPS
     pcie_gbps: float = PCIE_GBPS
@@ -148,6 +162,7 @@ def assumed_rates(gpu: str = "H100") -> Rates:
         loss_tflops=rate,
         documents_tflops=rate / FLASH_OVER_CUDNN,
         adamw_s_per_param=ADAMW_GPU_BYTES / (HBM_GBPS * GB),
+        gdn_tflops=rate * GDN_OVER_KERNEL,
         source=f"assumed: {gpu} kernels at {rate:g} TFLOP/s, the public runs' rate",
     )
 
@@ -164,23 +179,33 @@ class KernelFlops:
     attention_recompute: float  # 0 with attention once
     dense_bwd: float
     attention_bwd: float
+    # a Qwen3.5's Gated DeltaNet layers' delta rule (0 for a Qwen3): forward, the recompute's
+    # forward, and its backward (GDN_BWD_FACTOR x forward: one block's forward again, gradients)
+    gdn_fwd: float = 0.0
+    gdn_recompute: float = 0.0
+    gdn_bwd: float = 0.0
 
 
 def kernel_flops(config: Qwen3Config, seq_len: int, *, recomputed_layers: int, **kw) -> KernelFlops:
     """step_flops(config, seq_len, **kw) split into phases and kernels; recomputed_layers of the
-    config's layers run attention's forward again in their recompute (the others keep it)."""
+    config's attention layers run attention's forward again in their recompute (the others keep
+    it)."""
     f = step_flops(config, seq_len, **kw)
-    dense, attn = f["dense_fwd"], f["attention_fwd"]
-    dense_recompute = f["no_attn_recompute"] - f["model"]  # the layers' forward bar attention
+    dense, attn, gdn = f["dense_fwd"], f["attention_fwd"], f["gdn_fwd"]
+    dense_recompute = f["no_attn_recompute"] - f["model"] - gdn  # the layers' matmuls again
     attn_recompute = f["full_recompute"] - f["no_attn_recompute"]  # every layer's attention
+    gdn_bwd = GDN_BWD_FACTOR * gdn
     return KernelFlops(
         dense_fwd=dense,
         attention_fwd=attn,
         loss=f["loss"],
         dense_recompute=dense_recompute,
-        attention_recompute=attn_recompute * recomputed_layers / config.num_hidden_layers,
+        attention_recompute=attn_recompute * recomputed_layers / max(config.attention_layers, 1),
         dense_bwd=f["dense_bwd"],
-        attention_bwd=f["model"] - dense - f["dense_bwd"] - f["loss"] - attn,
+        attention_bwd=f["model"] - dense - f["dense_bwd"] - f["loss"] - attn - gdn - gdn_bwd,
+        gdn_fwd=gdn,
+        gdn_recompute=gdn,
+        gdn_bwd=gdn_bwd,
     )
 
 
@@ -278,6 +303,7 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a gpu_check JSON ({type(e).__name__}: {e})") from None
     L, t = config.num_hidden_layers, seq_len // sp
+    A = max(config.attention_layers, 1)  # a layer's attention: of the attention layers
     local = kernel_flops(config, t, recomputed_layers=0)  # per GPU, the layer stack's shape
     row = kernel_flops(config, seq_len, recomputed_layers=0)  # one sp rank's attention: / sp
     part = {k: d.get(k) or {} for k in CALIBRATION_PARTS}
@@ -289,8 +315,8 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
             rates[name] = value / seconds
 
     take("matmul_tflops", ATTENTION_ONCE_PASSES * local.dense_fwd / L / 1e12, s.layer_nonattn_s)
-    take("attention_fwd_tflops", row.attention_fwd / L / sp / 1e12, s.attention_fwd_s)
-    take("attention_bwd_tflops", row.attention_bwd / L / sp / 1e12, s.attention_bwd_s)
+    take("attention_fwd_tflops", row.attention_fwd / A / sp / 1e12, s.attention_fwd_s)
+    take("attention_bwd_tflops", row.attention_bwd / A / sp / 1e12, s.attention_bwd_s)
     take("loss_tflops", local.loss / 1e12, s.loss_s)
     take("adamw_params_per_s", params_per_gpu(config, sp), s.optimizer_s)
     if "adamw_params_per_s" in rates:
@@ -382,15 +408,24 @@ class StepTime:
         }
 
 
-def exchange_bytes(config: Qwen3Config, seq_len: int, sp: int, compute_bytes: int = 2) -> int:
+def exchange_bytes(
+    config: Qwen3Config, seq_len: int, sp: int, compute_bytes: int = 2, linear: bool = False
+) -> int:
     """Bytes one rank sends per layer in one pass of Ulysses' exchanges (forward: q, k, v to heads
     and out back; the recompute again; backward the same 4 gradients): (sp-1)/sp of each
-    [T/sp, heads, hd] buffer, kv heads repeated up to sp when sp exceeds them."""
+    [T/sp, heads, hd] buffer, kv heads repeated up to sp when sp exceeds them. linear: a Qwen3.5
+    Gated DeltaNet layer's (model/ulysses.py): its packed projections [T/sp, nk, 2 dk + r (dv +
+    2)] to heads and the delta rule's output [T/sp, nv, dv] back."""
     if sp == 1:
         return 0
     c = config
-    heads = 2 * c.num_attention_heads + 2 * max(c.num_key_value_heads, sp)
-    buffers = seq_len // sp * heads * c.head_dim * compute_bytes
+    if linear:
+        nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+        C = 2 * nk * c.linear_key_head_dim + nv * c.linear_value_head_dim
+        per_token = C + 2 * nv + nv * c.linear_value_head_dim
+    else:
+        per_token = (2 * c.num_attention_heads + 2 * max(c.num_key_value_heads, sp)) * c.head_dim
+    buffers = seq_len // sp * per_token * compute_bytes
     return buffers * (sp - 1) // sp
 
 
@@ -408,7 +443,12 @@ def exchange_seconds(
     nodes' ranks, over the network at rates.internode_gbps (an assumption, INTERNODE_GBPS, unless
     a calibration says otherwise), while the rest goes over NVLink at the same time: the slower
     of the two. Qwen3-8B at sp 16 (2 nodes of 8): 8/15 crosses, ~5x the NVLink time."""
-    sent = layers * exchange_bytes(config, seq_len, sp, compute_bytes)
+    c = config  # `layers` of the model's layers, its kinds in their proportions
+    per_layer = (
+        c.attention_layers * exchange_bytes(c, seq_len, sp, compute_bytes)
+        + c.linear_layers * exchange_bytes(c, seq_len, sp, compute_bytes, linear=True)
+    ) / c.num_hidden_layers
+    sent = layers * per_layer
     if sp <= per_node:
         return sent / (rates.nvlink_gbps * GB)
     crossing = sent * (sp - per_node) / (sp - 1)
@@ -481,10 +521,12 @@ def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) 
     pool = p.host.offload_bytes_per_step / 2 / L / pcie  # out in forward, back in backward
     shard = elements * o.master_bytes / W / pcie if o.cpu_offload else 0.0
     a2a = exchange_seconds(c, p.seq_len, sp, lay.gpus_per_node, r, o.compute_bytes, L)
+    gd = (r.gdn_tflops or r.matmul_tflops * GDN_OVER_KERNEL) * 1e12 * sp
+    gdn = {"GDN kernels": k.gdn_fwd / gd} if k.gdn_fwd else {}
     forward = _phase(
         "forward",
-        (k.dense_fwd + k.attention_fwd) / sp,
-        {"matmul kernels": k.dense_fwd / mm, "attention kernels": k.attention_fwd / af},
+        (k.dense_fwd + k.attention_fwd + k.gdn_fwd) / sp,
+        {"matmul kernels": k.dense_fwd / mm, "attention kernels": k.attention_fwd / af, **gdn},
         a2a,
         {"FSDP2 all-gathers": gather, "host copies in": shard, "host copies out": pool},
         L,
@@ -492,10 +534,19 @@ def project(p: Plan, rates: Rates | None = None, *, doc_len: int | None = None) 
     loss = _phase("loss", k.loss / sp, {"loss kernels": k.loss / lo})
     backward = _phase(
         "backward (recompute + gradients)",
-        (k.dense_recompute + k.attention_recompute + k.dense_bwd + k.attention_bwd) / sp,
+        (
+            k.dense_recompute
+            + k.attention_recompute
+            + k.dense_bwd
+            + k.attention_bwd
+            + k.gdn_recompute
+            + k.gdn_bwd
+        )
+        / sp,
         {
             "matmul kernels": (k.dense_recompute + k.dense_bwd) / mm,
             "attention kernels": k.attention_recompute / af + k.attention_bwd / ab,
+            **({"GDN kernels": (k.gdn_recompute + k.gdn_bwd) / gd} if k.gdn_fwd else {}),
         },
         2 * a2a,  # the recompute's exchanges and the gradients'
         {
@@ -566,7 +617,7 @@ def startup(p: Plan, rates: Rates | None = None) -> Startup:
     # The attention probe (model/attention_probe.py) runs the chosen kernel once, forward and
     # backward, at this rank's shape: one layer's attention of the step, at the step's rates (one
     # candidate; a second where the first fails).
-    layers, sp = p.config.num_hidden_layers, lay.sp
+    layers, sp = max(p.config.attention_layers, 1), lay.sp
     row = kernel_flops(p.config, p.seq_len, recomputed_layers=0)
     probe_s = row.attention_fwd / layers / sp / (r.attention_fwd_tflops * 1e12)
     probe_s += row.attention_bwd / layers / sp / (r.attention_bwd_tflops * 1e12)

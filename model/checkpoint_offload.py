@@ -444,7 +444,8 @@ def offloaded_tensors(
     Each kind's count is the layers whose placement puts it on the host (placements, default
     default_placements(L, save_attention=...): with save_attention L-1 layers' three, as the last
     layer keeps its own on the device; without it, every layer's input). Kinds under the pool's
-    min_bytes stay on the device (HostPool.reserve skips them).
+    min_bytes stay on the device (HostPool.reserve skips them). A Qwen3.5's Gated DeltaNet layers
+    (config.layer_types "linear_attention") keep no attention: only its attention layers count.
     """
     layers = config.num_hidden_layers
     if placements is None:
@@ -458,6 +459,13 @@ def offloaded_tensors(
     heads = config.num_attention_heads // sp
     inputs = sum(p.input == "host" for p in placements)
     kinds = [OffloadedTensor(inputs, (1, tokens_per_rank, config.hidden_size), dtype)]
+    # a Qwen3.5 Gated DeltaNet layer ("linear_attention") has no attention to keep: its store
+    # stays empty whatever its placement says
+    types = getattr(config, "layer_types", None) or ()
+    attends = [i >= len(types) or types[i] != "linear_attention" for i in range(layers)]
+    placements = [
+        p if a else LayerPlacement(p.input) for p, a in zip(placements, attends, strict=True)
+    ]
     if any(p.attention != "recompute" for p in placements):
         kept = sum(p.attention == "host" for p in placements)
         out = (1, padded_row, heads, config.head_dim)

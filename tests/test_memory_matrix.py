@@ -104,6 +104,20 @@ MOE = replace(
     LIKE_8B, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True
 )
 
+# Qwen3.5 (model/qwen3_5.py): 3 Gated DeltaNet layers and 1 gated attention layer, 4 key heads
+# of the delta rule to 8 value heads of 16, its working sets by far the largest tensors of a layer
+QWEN35 = replace(Qwen3Config.preset("qwen3.5-tiny"), max_position_embeddings=1 << 16)
+# ... and its mixture of experts: every layer sparse, 8 experts of 32, top 2, a shared expert of 48
+QWEN35_MOE = replace(
+    QWEN35,
+    tie_word_embeddings=False,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    shared_expert_intermediate_size=48,
+)
+
 # name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk
 #        [, RMSNorm chunk][, SAVE])
 MATRIX = {
@@ -187,6 +201,21 @@ MATRIX = {
         256,
         {**MIXED, **CPU_OFF},
     ),
+    "qwen3.5 sp1": (QWEN35, 1, 1, 4096, "float32", True, 0, 256),
+    # attention once: the one attention layer (the last) keeps its own on the device
+    "qwen3.5 sp2 save attention": (QWEN35, 2, 2, 4096, "float32", True, 0, 256, SAVE),
+    "qwen3.5 sp2 bf16 tiled cpu offload": (
+        QWEN35,
+        2,
+        2,
+        4096,
+        "bfloat16",
+        True,
+        512,
+        256,
+        {**SAVE, **CPU_OFF},
+    ),
+    "qwen3.5 moe sp2": (QWEN35_MOE, 2, 2, 4096, "float32", True, 1024, 128),
 }
 # The layouts also rehearsed on fake tensors: every kind of piece once (tied, odd sizes, bf16
 # norm chunks, 2 and 4 processes, a dp group, no offload, attention once, the loss's peak, CPU
@@ -206,6 +235,8 @@ REHEARSED = (
     "sp2 moe tiled",
     "dp2 x sp2 moe save attention cpu offload",
     "dp2 x sp2 4 layers mixed cpu offload",
+    "qwen3.5 sp2 save attention",
+    "qwen3.5 moe sp2",
 )
 # attention once -> the same configuration recomputing attention; the peak in a layer's backward
 # (as at the recipe: 20.8 GB there against 10.8 + 2.1 GB in the loss phase)
@@ -239,7 +270,7 @@ def _steps(rank, world, specs, rehearse=False):
     from model.checkpoint_offload import LayerPlacement, apply_offload
     from model.parallel import build_mesh, build_sharded_model
     from model.qwen3 import _RMSNormFn
-    from model.ulysses import UlyssesAttention
+    from model.ulysses import UlyssesAttention, UlyssesLinearMix
     from model.ulysses_exchange import shard_row
 
     if not rehearse:
@@ -264,6 +295,8 @@ def _steps(rank, world, specs, rehearse=False):
             lora=lora,
         )
         model.set_attention(UlyssesAttention(mesh["sp"].get_group()))
+        if cfg.hybrid:  # the Gated DeltaNet layers' exchange, as run/build.py installs it
+            model.set_linear_mix(UlyssesLinearMix(mesh["sp"].get_group()))
         if where:  # a mixed layout: the placements say it all
             placements = [LayerPlacement(*w) for w in where]
             pool = apply_offload(model, min_bytes=0, tile_mlp=tile or None, placements=placements)
