@@ -39,6 +39,7 @@ class Buffer(str, Enum):
     ATTN_OUT = "attention out [T, heads/sp, hd] (SDPA)"
     ATTN_LSE = "SDPA logsumexp, fp32"
     O_PROJ_INPUT = "o_proj input (all-to-all back)"
+    ATTN_GATE = "Qwen3.5 output gate: sigmoid(gate) and o_proj's input out x it [t, heads, hd]"
     POST_NORM = "post-attention norm"
     MLP_INPUT = "MLP input (normed h)"
     MLP_INTERMEDIATES = "MLP gate, up, act, product"
@@ -80,6 +81,7 @@ class Buffer(str, Enum):
     FLASH_GQA_GRADS = "FlashAttention dk, dv expanded to the query heads [T, heads/sp, hd]"
     DOCUMENTS_PADDING = "flash varlen fp32 dq accumulator and delta: 128 padding rows a document"
     QKV_GRAD = "dq, dk, dv [t, heads, hd]"
+    ATTN_GATE_GRAD = "q_proj output's gradient [t, heads, 2 hd], the output gate's half in"
     LAYER_GRADS = "this layer's unsharded gradients so far"
     # around a Gated DeltaNet layer's recompute and backward
     GDN_PACKED = "GDN projections packed per key head [t, nk, 2 dk + r (dv + 2)] (forward's local)"
@@ -214,6 +216,9 @@ def layer_saved_bytes(
             Buffer.ATTN_LSE: t * nh * 4,  # [nh/sp, T] in fp32 (4 bytes)
             Buffer.O_PROJ_INPUT: Q if sp > 1 and input_saved({"o_proj"}) else 0,
             Buffer.LORA_O: _lora_saved(c, lora, {"o_proj"}, t, b, mask),
+            # Qwen3.5's gated attention: out x sigmoid(gate) saves the sigmoid and its other
+            # factor (o_proj's input before, counted above), o_proj the product
+            Buffer.ATTN_GATE: 2 * Q if c.attn_output_gate else 0,
         }
     return {
         Buffer.INPUT_NORM: _norm_saved(t, H, b, fused_norm, input_elsewhere=True),
@@ -560,7 +565,11 @@ def layer_backward_moments(
         # gradient and two partial results of the input gradient's expression
         Buffer.NORM_TEMPORARIES: 4 * min(t * H, norm_chunk) * 4,
     }
+    # Qwen3.5's output gate: its gradient, written into the q_proj output's [t, heads, 2 hd] by
+    # the slice's backward, waits there for the query's through attention's backward
+    gate_grad = {Buffer.ATTN_GATE_GRAD: 2 * t * nh * hd * b if c.attn_output_gate else 0}
     exchange = {  # sp > 1: the gradient, its send copy (2 x q-sized) and the receive buffer
+        **gate_grad,
         Buffer.RESIDUAL_GRAD: X,
         Buffer.O_PROJ_INPUT_GRAD: 2 * Q,
         Buffer.ATTN_OUT_GRAD: Q,
@@ -578,6 +587,7 @@ def layer_backward_moments(
             attention_workspace(attn_backend): backward_workspace_bytes(t, nh, hd) if cuda else 0
         }
     attn = {
+        **gate_grad,
         Buffer.RESIDUAL_GRAD: X,
         Buffer.ATTN_OUT_GRAD: Q,
         Buffer.QKV_GRAD_AT_SDPA: Q + 2 * K,  # dq, and dk and dv
@@ -585,6 +595,7 @@ def layer_backward_moments(
         Buffer.FLASH_GQA_GRADS: 2 * Q if expands else 0,  # dk and dv, q-sized once expanded
     }
     qk = {
+        **gate_grad,
         Buffer.RESIDUAL_GRAD: X,
         Buffer.QKV_GRAD: Q + 2 * Kl,  # dq, and dk and dv
         Buffer.NORM_TEMPORARIES: 4 * min(t * nh * hd, norm_chunk) * 4,  # as the post norm's
@@ -679,9 +690,16 @@ def layer_forward_moments(
     mlp_tile: int = 8192,
     compute_bytes: int = 2,
     norm_chunk: int = RMSNORM_CHUNK_ELEMS,
+    linear: bool = False,
 ) -> dict[str, dict[Buffer, int]]:
     """The activation bytes of one decoder layer's forward without autograd, at its largest
-    moments. Throughout: the layer input and the RoPE tables.
+    moments. Throughout: the layer input and the RoPE tables. linear (a Qwen3.5 Gated DeltaNet
+    layer): attention's three moments become its two, both with the normed input and the packed
+    projections (locals of the forward): "Gated DeltaNet conv forward", the conv's channel copy,
+    running sum, shifted input and product (4 x [t, C]) and its [T] mask; "Gated DeltaNet gated
+    norm forward", the delta rule's output and z, and the norm's locals at its last product: x
+    upcast, the normed rows and their product with the weight, z upcast and its silu, the fp32
+    product and its cast ((16 + 3b) bytes an element of [t, nv x dv]).
       "q norm forward": the normed input, q_proj's output, the q norm's output and its
         temporaries for one row chunk;
       "RoPE forward": the normed input, q, k, v after their norms and apply_rope's temporaries
@@ -709,6 +727,8 @@ def layer_forward_moments(
     }
     if c.num_experts:  # model/moe.py: the router's [t, E] first, then the loop over experts
         mlp = {
+            # a Qwen3.5 MoE's shared expert first: its act, up and product [t, S]
+            Buffer.MOE_SHARED: 3 * t * c.shared_expert_intermediate_size * b,
             Buffer.MOE_ROUTER: t * c.num_experts * (b + 4),
             Buffer.MOE_ROUTING: _moe_routing(c, t, b),
             Buffer.MOE_TILE: _moe_tile(c, t, mlp_tile, b, backward=False),
@@ -719,7 +739,7 @@ def layer_forward_moments(
     # Per row: the fp32 1/rms of every row, and of the chunk's rows.
     norm_bytes = 4 if b == 4 else 4 + 4 + b  # bf16: upcast, square or normalised rows, cast
     io = {Buffer.FORWARD_INPUT: X, Buffer.ROPE: 2 * t * hd * b}  # RoPE: cos and sin
-    return {
+    attention = {
         "q norm forward": {
             **io,
             Buffer.NORMED_INPUT: X,
@@ -744,6 +764,27 @@ def layer_forward_moments(
             # sp > 1: the exchange's send and receive buffers; sp = 1: the [t, nh x hd] copy
             Buffer.ATTN_OUT_BACK: 2 * Q if sp > 1 else Q,
         },
+    }
+    if linear:
+        nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+        vd = nv * c.linear_value_head_dim
+        C = 2 * nk * c.linear_key_head_dim + vd
+        packed = {Buffer.NORMED_INPUT: X, Buffer.GDN_PACKED: t * (C + 2 * nv) * b}
+        attention = {
+            "Gated DeltaNet conv forward": {
+                **io,
+                **packed,
+                Buffer.GDN_CONV: 4 * t * C * b + t * sp * b,
+            },
+            "Gated DeltaNet gated norm forward": {
+                **io,
+                **packed,
+                Buffer.GDN_OUT: 2 * t * vd * b,
+                Buffer.GDN_NORM_TEMPORARIES: t * vd * (16 + 3 * b) + t * nv * 4,
+            },
+        }
+    return {
+        **attention,
         "post-attention norm forward": {
             **io,
             Buffer.RESIDUAL: X,

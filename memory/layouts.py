@@ -19,7 +19,9 @@ top `device_inputs` layers keep their input on the device, the rest on the host.
 are the ones kept on the device because backward frees them first: at layer i's backward only the
 layers below i still hold theirs, when most gradient shards exist. A layout that keeps any
 attention keeps the last layer's input and attention on the device (backward starts there: a copy
-back would stall it).
+back would stall it). A Qwen3.5 keeps attention on its full-attention layers only (counted from
+the top among them); its Gated DeltaNet layers keep their input alone, so no host memory is spent
+on attention for them.
 
 The choice (choose_layout): the least projected step time (memory/steptime.py) of the layouts
 that fit the GPU and the host per node (memory/plan.py's fits). Ties go to the larger GPU
@@ -57,14 +59,20 @@ class StepLayout:
     def kept_attention(self) -> int:
         return self.device_attention + self.host_attention
 
-    def placements(self, num_layers: int) -> tuple[LayerPlacement, ...]:
-        """One LayerPlacement per layer, layer 0 first: the device ones at the top."""
+    def placements(self, num_layers: int, attending=None) -> tuple[LayerPlacement, ...]:
+        """One LayerPlacement per layer, layer 0 first: the device ones at the top. attending:
+        the layers with attention to keep (a Qwen3.5's full-attention layers; None: all), counted
+        from the top for device_attention and host_attention; the others recompute (keep none)."""
+        attending = range(num_layers) if attending is None else attending
+        rank = {i: n for n, i in enumerate(sorted(attending, reverse=True))}  # 0: the top one
         out = []
         for i in range(num_layers):
             from_top = num_layers - 1 - i
-            if from_top < self.device_attention:
+            if i not in rank:
+                attention = "recompute"
+            elif rank[i] < self.device_attention:
                 attention = "device"
-            elif from_top < self.kept_attention:
+            elif rank[i] < self.kept_attention:
                 attention = "host"
             else:
                 attention = "recompute"
@@ -116,8 +124,9 @@ class Candidate:
             state = "fp32 state in host memory (CPU offload)"
         else:
             state = "fp32 state on the GPU"
+        where = describe_placements(p.placements, p.config)
         return (
-            f"{describe_placements(p.placements)}; {state}: {self.step_s:.0f} s projected, "
+            f"{where}; {state}: {self.step_s:.0f} s projected, "
             f"peak {p.total / GB:.1f} GB per GPU ({self.gpu_bytes / GB:.1f} with the CUDA context "
             f"and NCCL), {p.host.per_node / GB:.0f} GB host per node"
         )
@@ -157,6 +166,8 @@ class _Search:
     def __init__(self, config, seq_len: int, rates: Rates | None, plan_kw: dict):
         self.config, self.seq_len, self.rates, self.kw = config, seq_len, rates, plan_kw
         self.L = config.num_hidden_layers
+        # the layers with attention to keep: a Qwen3.5's Gated DeltaNet layers have none
+        self.attending = [i for i in range(self.L) if not config.is_linear_layer(i)]
         self.cache: dict[StepLayout, Candidate] = {}
 
     def candidate(self, layout: StepLayout) -> Candidate:
@@ -165,7 +176,7 @@ class _Search:
                 self.config,
                 self.seq_len,
                 cpu_offload=layout.cpu_offload,
-                placements=layout.placements(self.L),
+                placements=layout.placements(self.L, self.attending),
                 **self.kw,
             )
             self.cache[layout] = Candidate(p, project(p, self.rates).step_s)
@@ -217,7 +228,7 @@ def choose_layout(
         plan_options.pop(name, None)
     plan_options.setdefault("layout_why", "--layout auto: the fastest that fits")
     search = _Search(config, seq_len, rates, plan_options)
-    L = search.L
+    L = len(search.attending)  # the layers that can keep attention
     cpus = [pins.cpu_offload] if pins.cpu_offload is not None else [False, True]
     if pins.save_attention is None:
         ks = list(range(L + 1))
@@ -304,7 +315,7 @@ def layout_dict(p: Plan) -> dict:
     return {
         "cpu_offload": p.options.cpu_offload,
         "layers": [{"input": x.input, "attention": x.attention} for x in p.placements],
-        "summary": describe_placements(p.placements),
+        "summary": describe_placements(p.placements, p.config),
         "planned_for": {
             "model": p.options.model,
             "seq_len": p.seq_len,

@@ -406,16 +406,20 @@ class Plan:
         return self.fits_gpu and self.fits_host
 
 
-def describe_placements(placements) -> str:
+def describe_placements(placements, config: Qwen3Config | None = None) -> str:
     """Where a placement list keeps the layers' inputs and attention, in counts: "inputs 35 host,
-    1 device; attention 35 host, 1 device" (or "... 36 recomputed")."""
+    1 device; attention 35 host, 1 device" (or "... 36 recomputed"). config: a Qwen3.5's Gated
+    DeltaNet layers are counted apart, as "24 Gated DeltaNet (none)": they have no attention."""
 
     def counts(places: list[str]) -> str:
         words = {"host": "host", "device": "device", "recompute": "recomputed"}
         return ", ".join(f"{places.count(w)} {word}" for w, word in words.items() if w in places)
 
+    linear = [config is not None and config.is_linear_layer(i) for i in range(len(placements))]
     inputs = counts([p.input for p in placements])
-    attention = counts([p.attention for p in placements])
+    attention = counts([p.attention for p, lin in zip(placements, linear, strict=True) if not lin])
+    if any(linear):
+        attention = ", ".join(filter(None, [attention, f"{sum(linear)} Gated DeltaNet (none)"]))
     return f"inputs {inputs}; attention {attention}"
 
 
@@ -661,19 +665,23 @@ def _eval_moments(c: Qwen3Config, t: int, layout: Layout, o: Options, u: FsdpUni
         Buffer.GATHERED_HEAD: u.emb_gathered * b,
         Buffer.GATHERED_LAST_LAYER: u.layer_gathered * b,
     }
-    forward = layer_forward_moments(
-        c,
-        t,
-        layout.sp,
-        tiled_mlp=o.tiled_mlp,
-        mlp_tile=o.mlp_tile,
-        compute_bytes=b,
-        norm_chunk=o.norm_chunk,
-    )
-    moments = [
-        Moment(name, 0, dict(layer), {**row, **act, Buffer.STAGED_SHARDS: staged}, True)
-        for name, act in forward.items()
-    ]
+    moments = []
+    for linear in sorted({c.is_linear_layer(i) for i in range(c.num_hidden_layers)}):
+        first = next(i for i in range(c.num_hidden_layers) if c.is_linear_layer(i) == linear)
+        forward = layer_forward_moments(
+            c,
+            t,
+            layout.sp,
+            tiled_mlp=o.tiled_mlp,
+            mlp_tile=o.mlp_tile,
+            compute_bytes=b,
+            norm_chunk=o.norm_chunk,
+            linear=linear,
+        )
+        moments += [
+            Moment(name, first, dict(layer), {**row, **act, Buffer.STAGED_SHARDS: staged}, True)
+            for name, act in forward.items()
+        ]
     end = eval_loss_moments(
         c, t, loss_chunk=o.loss_chunk, compute_bytes=b, device=o.device, norm_chunk=o.norm_chunk
     )

@@ -228,7 +228,7 @@ def _format_gpu(p: Plan) -> list[str]:
         _row(
             "saved tensors kept on GPU (at the loss)",
             p.device_kept,
-            f"({describe_placements(p.placements)})",
+            f"({describe_placements(p.placements, p.config)})",
         ),
         _row(
             "gathered bf16 parameters",
@@ -461,7 +461,7 @@ def _format_attention_choice(p: Plan, longest: bool, rates: Rates | None) -> lis
     ]
     out += [f"  {k:32}{a:>32}{b:>26}" for k, a, b in rows]
     out.append(
-        f"  this run: {describe_placements(p.placements)} ({o.layout_why}); "
+        f"  this run: {describe_placements(p.placements, p.config)} ({o.layout_why}); "
         f"--save-attention / --no-save-attention pin every layer's"
     )
     if longest and n_on < n_off:

@@ -281,7 +281,7 @@ def log_attention(cfg, mc, sp, dtype, backend, planned) -> None:
             padded_row, mc.num_attention_heads, mc.head_dim, dtype.itemsize, sp=sp
         )
         kept = f"; a kept attention is {size / 2**20:,.1f} MiB per layer per GPU"
-    where = describe_placements(planned.placements)
+    where = describe_placements(planned.placements, mc)
     state = "; fp32 state in host memory (CPU offload)" if planned.options.cpu_offload else ""
     log0(f"layout: {where}{state} ({planned.options.layout_why}){kept}")
     for warning in plan_warnings(planned):
