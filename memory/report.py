@@ -531,18 +531,42 @@ def _format_longest(p: Plan, rates: Rates | None) -> list[str]:
     return out
 
 
+def recipe_preset(config) -> str:
+    """The preset of the Qwen3 whose public run a plan of `config` is set beside: Qwen3-30B-A3B
+    for a mixture of experts (a Qwen3.5 MoE's too), else Qwen3-8B."""
+    return "qwen3-30b-a3b" if config.num_experts else "qwen3-8b"
+
+
+def recipe_model(config):
+    """recipe_preset's config."""
+    return PRESETS[recipe_preset(config)]
+
+
+def _planned_beside(p: Plan, rates: Rates | None) -> tuple[Plan | None, float]:
+    """The recipe's Qwen3 planned here at p's row, GPUs and options (its layout chosen by the same
+    rule): its plan (None where no layout fits) and projected step."""
+    o = replace(p.options, placements=None, model=recipe_preset(p.config))
+    kw = {**asdict(o), **asdict(p.layout)}
+    choice = choose_layout(recipe_model(p.config), p.seq_len, rates=rates, **kw)
+    if choice.chosen is None:
+        return None, 0.0
+    return choice.chosen.plan, choice.chosen.step_s
+
+
 def _format_recipe(p: Plan, rates: Rates | None) -> list[str]:
-    """This plan next to the public recipe, whose MFU is taken against H100's 989 TFLOP/s."""
+    """This plan next to the public recipe, whose MFU is taken against H100's 989 TFLOP/s. A
+    Qwen3.5 is also set beside its recipe's Qwen3 planned here at the same row and GPUs (the
+    same rates: both projected), so that the hybrid's difference is the model's alone."""
     c, r = p.config, public_recipe(p.config)
-    recipe_model = c if c.num_experts else PRESETS["qwen3-8b"]  # the 30B-A3B's is this config
-    recipe_flops = step_flops(recipe_model, r["seq_len"])["full_recompute"]
+    recipe_flops = step_flops(recipe_model(c), r["seq_len"])["full_recompute"]
     mfu = recipe_flops / (8 * 989e12 * r["step_time_s"])
     L, H, b = c.num_hidden_layers, c.hidden_size, p.options.compute_bytes
-    return [
+    step = project(p, rates).step_s
+    out = [
         f"{'':28}{'this plan':>18}   public recipe ({r['model']}, {r['gpus']})",
         f"  {'tokens per step':26}{p.layout.dp * p.seq_len:>18,}   {r['seq_len']:,}",
         f"  {'peak memory per GPU':26}{p.total / GB:>15.1f} GB   {r['peak_gb_per_gpu']} GB",
-        f"  {'step time, projected':26}{project(p, rates).step_s:>16.0f} s   "
+        f"  {'step time, projected':26}{step:>16.0f} s   "
         f"{r['step_time_s']:.0f} s (measured; {100 * mfu:.0f}% of 989 TFLOP/s by its FLOPs)",
         f"  {'floor (100% of the peak)':26}{p.flops.step / p.layout.gpus / 989e12:>16.0f} s   "
         f"the limit at 989 TFLOP/s, not a projection",
@@ -550,6 +574,19 @@ def _format_recipe(p: Plan, rates: Rates | None) -> list[str]:
         f"{r['naive_saved_inputs_gib']:.0f} GiB",
         f"  (naive: every layer's input on one GPU, {L} x {p.seq_len:,} x {H} x {b} B)",
     ]
+    if c.hybrid:
+        q, q_step = _planned_beside(p, rates)
+        name = r["model"]
+        if q is None:
+            out.append(f"  {name} planned here at {p.seq_len:,} tokens: no layout fits")
+        else:
+            out += [
+                f"  beside {name} planned here (same row, GPUs and rates; both projected):",
+                f"  {'peak memory per GPU':26}{p.total / GB:>15.1f} GB   {q.total / GB:.1f} GB",
+                f"  {'step time, projected':26}{step:>16.0f} s   {q_step:.0f} s "
+                f"({step / q_step:.2f}x)",
+            ]
+    return out
 
 
 def format_plan(p: Plan, *, longest: bool = True, rates: Rates | None = None) -> str:

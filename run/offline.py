@@ -34,6 +34,7 @@ from data.documents import even_documents
 from memory.choices import documents_length, layout_for_run, plan_for_run
 from memory.layouts import format_choice, write_layout
 from memory.model_size import step_flops
+from memory.plan import layout_dp
 from memory.report import format_plan
 from memory.steptime import assumed_rates, project, read_calibration
 from memory.sweep import format_sweep, sweep
@@ -89,6 +90,8 @@ def dry_run(cfg) -> None:
     p = choice.nearest.plan
     print(format_plan(p, rates=rates))
     print("\n" + "\n".join(format_choice(choice)))
+    if choice.chosen is None:
+        print("\n".join(what_it_needs(cfg, mc, world, rates)))
     if cfg.layout_out:
         write_layout(cfg.layout_out, p)
         print(f"layout written to {cfg.layout_out} (train.py --layout {cfg.layout_out})")
@@ -101,6 +104,49 @@ def dry_run(cfg) -> None:
     print("\n" + "\n".join(lora_beside_full(cfg, mc, world, sp, dp, rates)))
     if cfg.sweep:
         print("\n" + format_sweep(p, sweep(p, rates)))
+
+
+MAX_NODES = 8  # what_it_needs looks this far
+
+
+def what_it_needs(cfg, mc, world: int, rates=None) -> list[str]:
+    """Where no layout fits this run's GPUs: the fewest nodes (of this run's node size) on which
+    one does, with sp as large as the heads allow (a row spread thinner), said plainly with the
+    command's settings; or that none up to MAX_NODES does."""
+    node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or min(world, 8)
+    for nodes in range(-(-world // node), MAX_NODES + 1):
+        gpus = nodes * node
+        for sp in sorted({1 << k for k in range(gpus.bit_length()) if gpus % (1 << k) == 0})[::-1]:
+            try:
+                layout_dp(mc, cfg.seq_len, gpus, sp, gpus_per_node=node)
+                choice = layout_for_run(
+                    dataclasses.replace(cfg, sp=sp),
+                    mc,
+                    gpus,
+                    sp,
+                    gpus // sp,
+                    planned_dtype(cfg),
+                    "cuda",
+                    rates,
+                )
+            except ValueError:
+                continue  # heads or the row cannot be split so
+            if choice.chosen is None:
+                continue
+            q = choice.chosen.plan
+            offload = "with --cpu-offload" if q.options.cpu_offload else "the fp32 state on the GPU"
+            return [
+                f"what it needs: no layout fits {world} GPUs of {q.options.gpu_mem_gb:g} GB at "
+                f"{cfg.seq_len:,} tokens; {nodes} node(s) of {node} ({gpus} GPUs, --sp {sp}) "
+                f"{offload} fit: peak {q.total / 1e9:.1f} GB per GPU, "
+                f"{q.host.per_node / 1e9:.0f} GB host per node, {choice.chosen.step_s:.0f} s per "
+                f"step (projected); WORLD_SIZE={gpus} LOCAL_WORLD_SIZE={node} ... --sp {sp} "
+                f"--dry-run shows it"
+            ]
+    return [
+        f"what it needs: no layout fits {cfg.seq_len:,} tokens on up to {MAX_NODES} nodes of "
+        f"{node}; a shorter --seq-len"
+    ]
 
 
 DRY_RUN_RENDER_MB = 16  # local conversations up to this size are rendered by the dry run;
