@@ -677,6 +677,29 @@ PRESETS: dict[str, Qwen3Config] = {
         layer_types=_every_fourth_full(64),
         linear_num_value_heads=48,
     ),
+    # Qwen/Qwen3.5-35B-A3B's text model (Qwen/Qwen3.6-35B-A3B's has the same shapes): 40 layers,
+    # each sparse, 256 experts of 512 (8 per token) and a gated shared expert of 512.
+    "qwen3.5-35b-a3b": Qwen3Config(
+        vocab_size=248320,
+        hidden_size=2048,
+        intermediate_size=512,
+        num_hidden_layers=40,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        rope_theta=10_000_000.0,
+        max_position_embeddings=262144,
+        bos_token_id=None,
+        eos_token_id=248044,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=512,
+        **_QWEN35_LINEAR,
+        layer_types=_every_fourth_full(40),
+        linear_num_value_heads=32,
+    ),
     # For tests: 3 Gated DeltaNet layers and 1 attention layer, 4 key heads of the delta rule
     # to 8 value heads, RoPE on 8 of 32 dimensions, tied embeddings.
     "qwen3.5-tiny": Qwen3Config(

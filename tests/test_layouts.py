@@ -147,6 +147,42 @@ def test_flags_pin_their_part_and_the_rest_is_still_chosen():
         assert choice.chosen.step_s >= choose_layout(c, M, **kw).chosen.step_s * (1 - 1e-9)
 
 
+def test_a_hybrid_keeps_attention_on_its_attention_layers_only():
+    """Qwen3.5-9B at 1M tokens with 290 GB of host per node: the chooser keeps attention on the
+    8 full-attention layers, split between the host and the GPU (from the top among them), and
+    on no Gated DeltaNet layer, which has none; the pool's host memory for attention is theirs
+    alone; and no faster split of those 8 layers fits (brute force, as above)."""
+    c = load_config("qwen3.5-9b")
+    attending = [i for i in range(c.num_hidden_layers) if not c.is_linear_layer(i)]
+    kw = dict(gpus=8, sp=8, gpu_mem_gb=80, host_mem_gb=290)
+    chosen = choose_layout(c, M, **kw).chosen
+    assert chosen is not None and chosen.plan.fits
+    kept = [i for i, x in enumerate(chosen.plan.placements) if x.attention != "recompute"]
+    assert kept and set(kept) <= set(attending), kept
+    assert kept == attending[-len(kept) :]  # the top ones
+    assert 0 < sum(x.attention == "device" for x in chosen.plan.placements) < len(kept)
+    per_layer = chosen.plan.host.saved_attention_per_gpu // sum(
+        x.attention == "host" for x in chosen.plan.placements
+    )
+    every = plan(c, M, save_attention=True, **kw)
+    assert every.host.saved_attention_per_gpu == (len(attending) - 1) * per_layer
+    for cpu in (False, True):
+        for k in range(len(attending) + 1):
+            for a in range(1, k + 1) if k else [0]:
+                for m in range(1 if k else 0, c.num_hidden_layers + 1):
+                    layout = StepLayout(cpu, m, a, k - a)
+                    q = plan(
+                        c,
+                        M,
+                        cpu_offload=cpu,
+                        placements=layout.placements(c.num_hidden_layers, attending),
+                        **kw,
+                    )
+                    if q.fits:
+                        assert project(q).step_s >= chosen.step_s * (1 - 1e-9), (cpu, k, a, m)
+                        break  # more device inputs only raise the GPU's peak
+
+
 def _build_order(rank, world) -> list:
     """run/build.py's build_model on one gloo rank, recording its plans, the probe and the
     reserve in the order they come (each patched to record, the probe choosing cpu_flash)."""

@@ -880,3 +880,120 @@ def test_moe_backward_terms_equal_the_meter(hidden, intermediate, dtype):
     terms = (Buffer.MOE_ROUTING, Buffer.MLP_INPUT_GRAD_BUFFER, Buffer.LAYER_GRADS)
     planned += sum(at_tokens[k] for k in terms)
     assert meter.peak_bytes - meter.start_bytes == pytest.approx(planned, rel=0.01)
+
+
+# ---- (c) Qwen3.5: the hybrid's shapes, saved tensors and FLOPs ----------------------------------
+QWEN35 = Qwen3Config.preset("qwen3.5-tiny")
+QWEN35_MOE = replace(
+    QWEN35,
+    tie_word_embeddings=False,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    shared_expert_intermediate_size=48,
+)
+
+
+@pytest.mark.parametrize("config", [QWEN35, QWEN35_MOE], ids=["dense", "moe"])
+def test_hybrid_param_shapes_are_the_models(config):
+    """Every Gated DeltaNet, gated attention and shared-expert parameter under its name, and
+    the largest layer (what FSDP2's plan counts gathered) is the largest of the model's."""
+    from memory.model_size import fsdp_units
+    from model.qwen3_5 import Qwen3_5
+
+    model = Qwen3_5(config)
+    real = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    assert param_shapes(config) == real
+    assert sum(math.prod(s) for s in real.values()) == config.num_params()
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
+    units = fsdp_units(config, 1, 4)
+    assert list(units.layers_gathered) == per_layer
+    assert units.layer_gathered == max(per_layer)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gdn_saved_bytes_equal_autograd(dtype):
+    """What a Qwen3.5 Gated DeltaNet layer (model/qwen3_5.py's HybridLayer, its MLP untiled)
+    saves for backward, byte for byte, at a row of 2,560 tokens (3 delta-rule blocks: 2 saved
+    states). Leaving out the conv's shifted products (3 x [t, C]) or the gated norm's fp32
+    upcasts would be 35-45% short."""
+    from model.qwen3_5 import HybridLayer
+
+    t = 2560
+    layer = HybridLayer(QWEN35, 0).to(dtype)
+    x = torch.randn(1, t, QWEN35.hidden_size, dtype=dtype, requires_grad=True)
+    skip = {a.untyped_storage().data_ptr() for a in (x, *layer.parameters())}
+    seen = {}
+
+    def pack(a):
+        s = a.untyped_storage()
+        if s.data_ptr() not in skip:
+            seen[s.data_ptr()] = s.nbytes()
+        return a
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda a: a):
+        layer(x, None, None)
+    b = torch.finfo(dtype).bits // 8
+    want = layer_saved_bytes(QWEN35, t, 1, tiled_mlp=False, compute_bytes=b, linear=True)
+    # A_log's exp and the fp32 decay factor per value head: 2 x [nv] fp32, not counted
+    assert sum(want.values()) + 2 * 4 * QWEN35.linear_num_value_heads == sum(seen.values())
+
+
+def test_gdn_flops_per_token_are_the_chunk_forms_products():
+    """memory/model_size.py's delta-rule count against torch's flop counter on
+    model/delta_rule.py at 4,096 tokens (64 chunks): the forward within 1% (its first chunk
+    starts from a zero state and skips two products), the backward GDN_BWD_FACTOR x it within
+    2%."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from memory.model_size import GDN_BWD_FACTOR, gdn_flops_per_token
+    from model.delta_rule import gated_delta_rule
+
+    c, t = QWEN35, 4096
+    nk, nv, dk, dv = 4, 8, 16, 16
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, t, nk, dk, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, t, nv, dv, generator=g, requires_grad=True)
+    gate = (-torch.rand(1, t, nv, generator=g)).requires_grad_()
+    beta = torch.rand(1, t, nv, generator=g).requires_grad_()
+    with FlopCounterMode(display=False) as fwd:
+        out = gated_delta_rule(q, k, v, gate, beta)
+    with FlopCounterMode(display=False) as bwd:
+        out.sum().backward()
+    planned = gdn_flops_per_token(c) * t
+    assert fwd.get_total_flops() == pytest.approx(planned, rel=0.01)
+    assert bwd.get_total_flops() == pytest.approx(GDN_BWD_FACTOR * planned, rel=0.02)
+
+
+def test_hybrid_attention_flops_count_attention_layers_only():
+    """Qwen3.5-9B at 1M tokens: attention on its 8 full-attention layers only (16 heads of
+    256), the delta rule on its 24 others; a plan keeping attention counts it on those 8."""
+    from memory.model_size import gdn_flops_per_token, step_flops
+
+    c = Qwen3Config.preset("qwen3.5-9b")
+    f = step_flops(c, T_1M)
+    assert f["attention_fwd"] == 8 * 2 * T_1M * T_1M * 16 * 256
+    assert f["gdn_fwd"] == 24 * gdn_flops_per_token(c) * T_1M
+    assert gdn_flops_per_token(c) == 32 * 180_224
+    once = plan(c, T_1M, gpus=8, sp=8, save_attention=True)
+    again = plan(c, T_1M, gpus=8, sp=8)
+    assert again.flops.step - once.flops.step == f["attention_fwd"]
+    assert once.recomputed_layers == 0 and again.recomputed_layers == 8
+
+
+def test_gdn_layers_keep_no_attention():
+    """A Gated DeltaNet layer has no attention to keep: a plan told to keep every layer's keeps
+    the attention layers' only, on the host as the pool pins it (model/checkpoint_offload.py's
+    offloaded_tensors counts them alike), and its FLOPs drop by the attention layers'."""
+    from model.checkpoint_offload import offloaded_tensors
+
+    c = Qwen3Config.preset("qwen3.5-9b")
+    p = plan(c, T_1M, gpus=8, sp=8, save_attention=True)
+    kept = [x.attention for x in p.placements]
+    assert [kept[i] for i in range(32) if c.is_linear_layer(i)] == ["recompute"] * 24
+    assert [kept[i] for i in range(32) if not c.is_linear_layer(i)] == ["host"] * 7 + ["device"]
+    kinds = offloaded_tensors(c, T_1M, 8, dtype=torch.bfloat16, save_attention=True)
+    assert [k.count for k in kinds] == [31, 7, 7]
+    attention = sum(host_bytes_for(k.nbytes) * k.count for k in kinds[1:])
+    assert p.host.saved_attention_per_gpu == attention

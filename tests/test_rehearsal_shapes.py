@@ -58,8 +58,13 @@ SHAPES = {
     "32b lora": ("qwen3-32b", 8, ["--lora-rank", "16"]),
     # the embedding and every norm train too: their fp32 masters, gradients and AdamW states
     "8b lora embed, norm": ("qwen3-8b", 8, ["--lora-rank", "16", "--lora-train", "embed,norm"]),
+    # Qwen3.5 (model/qwen3_5.py): at 2 layers one Gated DeltaNet layer and one gated attention
+    # layer (write_config), the delta rule over all 1,048,576 tokens of its heads on each rank
+    "qwen3.5-9b at 1M": ("qwen3.5-9b", 8, []),
+    # ... and its mixture of experts: 256 experts of 512 and a shared expert in every layer
+    "qwen3.5-35b-a3b at 1M": ("qwen3.5-35b-a3b", 8, []),
 }
-# LoRA's shapes and the mixture of experts' are held to 1%; the others to TOLERANCE
+# LoRA's shapes, the mixture of experts' and Qwen3.5's are held to 1%; the others to TOLERANCE
 LORA_TOLERANCE = 0.01
 # the layers of a "{layout}" file at 2 layers (at full depth, the dry run's own choice)
 MIXED_LAYERS = [{"input": "host", "attention": "host"}, {"input": "device", "attention": "device"}]
@@ -94,7 +99,12 @@ SAME_AS_ANOTHER = {("8b at 2M", "few layers")}
 # both, plus a dp group), "32b at 1M" by "32b mixed layout" (32B's shapes, a layout on top),
 # "32b lora" by "8b lora" (the same adapters), "8b cpu offload" by "32b mixed layout" (the fp32
 # state on the host) and by the CPU-offload layouts of tests/test_memory_matrix.py.
+# Qwen3.5's rehearsals pay model/delta_rule.py's Python step per 64-token chunk on fake tensors:
+# 16,384 chunks a Gated DeltaNet layer at 1M, forward, recompute and backward. Measured: 844 s
+# for step 1 of the 9B at 2 layers (one GDN layer) on 2 shared cores; they run with --full-depth.
 WITH_FULL_DEPTH = {
+    ("qwen3.5-9b at 1M", "few layers"),
+    ("qwen3.5-35b-a3b at 1M", "few layers"),
     ("8b lora embed, norm", "few layers"),
     ("30b-a3b at 1M", "few layers"),
     ("8b sp4", "few layers"),
@@ -134,10 +144,14 @@ TOLERANCE = 0.03
 
 def write_config(directory, preset: str, layers: int | None) -> str:
     """A model directory holding only the preset's config.json, at `layers` decoder layers
-    (None: the preset's own depth)."""
+    (None: the preset's own depth). A Qwen3.5 keeps its last layer attention and the ones below
+    Gated DeltaNet: at 2 layers one of each kind."""
     config = PRESETS[preset]
     if layers is not None:
-        config = dataclasses.replace(config, num_hidden_layers=layers)
+        kinds = ("linear_attention",) * (layers - 1) + ("full_attention",)
+        config = dataclasses.replace(
+            config, num_hidden_layers=layers, layer_types=kinds if config.hybrid else ()
+        )
     directory.mkdir()
     with open(directory / "config.json", "w") as f:
         json.dump(config.to_hf(), f)
@@ -173,8 +187,11 @@ def rehearsals(tmp_path_factory):
                 flags = [layout if f == "{layout}" else f for f in flags]
             argv = ["--preset", "qwen3-8b-1m", "--model", model, *flags, *depth_flags]
             argv += ["--rehearse", "--out", str(d / "out")]
-            # a full-depth 32B rehearsal takes minutes on a 2-core CPU
+            # a full-depth 32B rehearsal takes minutes on a 2-core CPU; a Qwen3.5's GDN layer
+            # about 14 minutes a step (WITH_FULL_DEPTH)
             timeout = 1800 if layers is None else 300
+            if PRESETS[preset].hybrid:
+                timeout = 2 * 900 * (layers or PRESETS[preset].num_hidden_layers)
             run_train(1, *argv, env={"WORLD_SIZE": str(world)}, timeout=timeout)
             with open(d / "out" / "rehearsal.json") as f:
                 records[shape, depth] = json.load(f)
@@ -194,6 +211,6 @@ def test_the_plan_agrees_with_the_rehearsal(depth, shape, check, rehearsals):
     deviation = rehearsed / planned - 1
     print(f"{shape}, {check}: rehearsed {rehearsed:.6g}, planned {planned:.6g}, {deviation:+.2%}")
     preset, _, flags = SHAPES[shape]
-    tight = "--lora-rank" in flags or PRESETS[preset].num_experts
+    tight = "--lora-rank" in flags or PRESETS[preset].num_experts or PRESETS[preset].hybrid
     tolerance = LORA_TOLERANCE if tight else TOLERANCE
     assert abs(deviation) <= tolerance, (shape, check, rehearsed, planned, f"{deviation:+.2%}")

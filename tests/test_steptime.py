@@ -323,3 +323,23 @@ def test_sweep_covers_every_length_gpu_count_and_attention_setting():
         "no:",  # attention kept needs more than 2000 GB of host per node at 4M tokens
     ]
     assert "1,048,576 tokens,  8 GPUs: measured 364 s" in text
+
+
+def test_a_hybrid_times_attention_on_its_attention_layers_and_the_delta_rule_apart():
+    """Qwen3.5-9B at 1M tokens on 8 GPUs, attention once: the attention kernels' forward is its 8
+    full-attention layers' FLOPs (2 x T^2/2 x 2 per head of 256, 16 heads) over the sp ranks at
+    530 TFLOP/s; the delta rule's is its own term at Rates.gdn_tflops (assumed, a tenth of the
+    kernel rate), which a calibration's rate replaces alone; and the output names it assumed."""
+    c = PRESETS["qwen3.5-9b"]
+    p = plan(c, T_1M, gpus=8, sp=8, save_attention=True)
+    forward = project(p).phases[0].terms
+    attention = 8 * 2 * T_1M * T_1M * 16 * 256  # 8 layers, QK^T and PV, causal
+    assert forward["attention kernels"] == pytest.approx(attention / 8 / 530e12, rel=1e-9)
+    gdn = 24 * 32 * 180_224 * T_1M  # 24 layers x 32 value heads x the chunk form's products
+    assert forward["GDN kernels"] == pytest.approx(gdn / 8 / 53e12, rel=1e-9)
+    faster = project(p, replace(assumed_rates(), gdn_tflops=106.0)).phases[0].terms
+    assert faster["GDN kernels"] == pytest.approx(forward["GDN kernels"] / 2, rel=1e-9)
+    assert faster["attention kernels"] == forward["attention kernels"]
+    assert "Gated DeltaNet delta rule 53 TFLOP/s (assumed, projected" in format_plan(p)
+    # a Qwen3 has no such term, and its step is what it was
+    assert "GDN kernels" not in project(plan(QWEN3_8B, T_1M, gpus=8, sp=8)).phases[0].terms
