@@ -280,17 +280,22 @@ def gdn_saved_bytes(config: Qwen3Config, tokens: int, sp: int, compute_bytes: in
 # The delta rule's backward recomputes one block (1,024 tokens) with autograd and takes its
 # gradients: its fp32 C x C decays, masks, inverse and products and the [C, dk + dv] rows and
 # their gradients, for the block's nv/sp heads. Fitted to the CPU meter at dk = dv = 16 and 64
-# (chunk 64, 4 to 16 value heads): 9 tensors of [1,024, 64] and 23 of [1,024, (dk + dv) / 2] fp32
-# a head, within 2%.
+# (chunk 64, 4 to 16 value heads, bf16 inputs): 9 tensors of [1,024, 64] and 23 of
+# [1,024, (dk + dv) / 2] fp32 a head, within 2%. With fp32 inputs the block's upcasts of q, k
+# (nk/nv of a head's each), v and the output gradient are the tensors themselves: 2 + 2 nk/nv
+# of the 23 are not made.
 GDN_BLOCK_CC, GDN_BLOCK_CD = 9, 23
 
 
-def _gdn_block(c: Qwen3Config, tokens: int, sp: int) -> int:
+def _gdn_block(c: Qwen3Config, tokens: int, sp: int, b: int = 2) -> int:
     """GDN_BLOCK's bytes: one block's backward working set (the comment above)."""
     T, C = tokens * sp, DELTA_RULE_CHUNK
     rows = min(BLOCK_CHUNKS * C, -(-T // C) * C)  # a short row is one block of whole chunks
     d = (c.linear_key_head_dim + c.linear_value_head_dim) / 2
-    return int(c.linear_num_value_heads // sp * rows * 4 * (GDN_BLOCK_CC * C + GDN_BLOCK_CD * d))
+    cd = GDN_BLOCK_CD
+    if b == 4:
+        cd -= 2 + 2 * c.linear_num_key_heads / c.linear_num_value_heads
+    return int(c.linear_num_value_heads // sp * rows * 4 * (GDN_BLOCK_CC * C + cd * d))
 
 
 def _gdn_moments(c: Qwen3Config, t: int, sp: int, b: int, saved: dict, io: dict, grads: int):
@@ -315,9 +320,10 @@ def _gdn_moments(c: Qwen3Config, t: int, sp: int, b: int, saved: dict, io: dict,
             **io,
             **_saved_through(saved, Buffer.GDN_NORM),
             Buffer.RESIDUAL_GRAD: X,
-            # the gradient upcast, its products with silu(z) and with the weighted rows (fp32),
-            # and the first one's cast
-            Buffer.GDN_NORM_GRADS: t * vd * (12 + b),
+            # at the product's backward: the gradient from out_proj (b), its fp32 upcast (the
+            # gradient itself when b = 4), the weighted rows' gradient (b) and silu(z)'s (fp32);
+            # held to the rehearsal at Qwen3.5-9B's and 35B-A3B's shapes
+            Buffer.GDN_NORM_GRADS: t * vd * (2 * b + 4 + (4 if b < 4 else 0)),
             Buffer.LAYER_GRADS: grads + HV,
         },
         "Gated DeltaNet delta rule backward": {
@@ -328,7 +334,7 @@ def _gdn_moments(c: Qwen3Config, t: int, sp: int, b: int, saved: dict, io: dict,
             # the output's gradient, and the zeroed gradients of q, k [t, nk, dk], v [t, nv, dv],
             # g (fp32) and beta [t, nv]
             Buffer.GDN_RULE_GRADS: t * vd * b + 2 * t * nk * dk * b + t * vd * b + t * nv * (4 + b),
-            Buffer.GDN_BLOCK: _gdn_block(c, t, sp),
+            Buffer.GDN_BLOCK: _gdn_block(c, t, sp, b),
             Buffer.LAYER_GRADS: grads + 2 * HV,
         },
     }

@@ -295,7 +295,9 @@ def _active_matmul_params(c: Qwen3Config, i: int) -> int:
 # so per token and value head 2 C (3 dk + 2 dv) + 6 dk dv: 180,224 at C 64, dk = dv = 128. The
 # triangular solve (I + A)^-1 (C^3 / 3 multiply-adds a chunk) is left out, as torch's flop
 # counter leaves it out. Its backward recomputes one block's forward with autograd and takes
-# the gradients of those products: 1 + 2 forwards (GDN_BWD_FACTOR).
+# the gradients of those products: 1 + 2 forwards (GDN_BWD_FACTOR), plus the inverse's gradient,
+# one more [C, C] x [C, C] product a chunk: 2 C^2 per token and head (gdn_bwd_flops_per_token;
+# torch's flop counter on model/delta_rule.py: 3.046 forwards at dk = dv = 128, 3.697 at 16).
 DELTA_RULE_CHUNK = 64  # model/delta_rule.py's gated_delta_rule(chunk=64), what the model calls
 GDN_BWD_FACTOR = 3.0
 
@@ -305,6 +307,13 @@ def gdn_flops_per_token(c: Qwen3Config) -> float:
     (the comment above: 180,224 per head at Qwen3.5's shapes; 5.77e6 for 32 heads)."""
     C, dk, dv = DELTA_RULE_CHUNK, c.linear_key_head_dim, c.linear_value_head_dim
     return c.linear_num_value_heads * (2.0 * C * (3 * dk + 2 * dv) + 6.0 * dk * dv)
+
+
+def gdn_bwd_flops_per_token(c: Qwen3Config) -> float:
+    """The delta rule's backward FLOPs per token in one Gated DeltaNet layer: GDN_BWD_FACTOR
+    forwards and the inverse's gradient, 2 C^2 a value head (the comment above)."""
+    C = DELTA_RULE_CHUNK
+    return GDN_BWD_FACTOR * gdn_flops_per_token(c) + c.linear_num_value_heads * 2.0 * C * C
 
 
 def attention_square(seq_len: int, doc_len: int = 0) -> int:
@@ -330,8 +339,9 @@ def step_flops(
     Forward: dense matmuls 2 x (non-embedding matmul parameters) x T; lm_head 2 x V x H x T
     (the embedding is a lookup); causal attention 2 x T^2/2 x heads x head_dim for QK^T and the
     same for PV, per attention layer (a Qwen3.5's full-attention layers only); the Gated
-    DeltaNet layers' delta rule gdn_flops_per_token x T (its backward 3x: one block's forward
-    again, then the gradients), linear in T whether or not the row holds documents. Backward: 2x
+    DeltaNet layers' delta rule gdn_flops_per_token x T (its backward gdn_bwd_flops_per_token:
+    one block's forward again, then the gradients), linear in T whether or not the row holds
+    documents. Backward: 2x
     forward for matmuls; attention's backward is 2.5x its forward (FlashAttention's backward does
     5 T^2 products against the forward's 2, recomputing QK^T). The one-pass loss does its 3
     products in forward and none in backward: same count. Recomputation adds one forward of the
@@ -348,7 +358,8 @@ def step_flops(
     square = attention_square(T, doc_len)  # T^2 for one sequence
     attn = c.attention_layers * 2 * (2.0 * square / 2) * c.num_attention_heads * c.head_dim
     gdn = c.linear_layers * gdn_flops_per_token(c) * T  # per document or not: linear in T
-    model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn + (1 + GDN_BWD_FACTOR) * gdn
+    gdn_bwd = c.linear_layers * gdn_bwd_flops_per_token(c) * T
+    model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn + gdn + gdn_bwd
     dense_bwd, loss = 2 * dense, 3 * lm_head
     if lora is not None:
         layers = range(c.num_hidden_layers)
@@ -359,12 +370,13 @@ def step_flops(
         dense_bwd = dense + 2 * adapter_fwd  # the frozen weights: their input's gradient only
         dense += adapter_fwd  # what a recompute runs again
         model = dense + dense_bwd + loss + (1 + attn_bwd_factor) * attn
-        model += (1 + GDN_BWD_FACTOR) * gdn
+        model += gdn + gdn_bwd
     return {
         "dense_fwd": dense,
         "lm_head_fwd": lm_head,
         "attention_fwd": attn,
-        "gdn_fwd": gdn,  # the delta rule's products (0 for a Qwen3); its backward 3x
+        "gdn_fwd": gdn,  # the delta rule's products (0 for a Qwen3)
+        "gdn_bwd": gdn_bwd,  # ... and its backward's
         "dense_bwd": dense_bwd,
         "loss": loss,  # the loss's products, its weight's gradient included when it trains
         "model": model,

@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from memory.buffers import Buffer
 from memory.model_size import (
-    GDN_BWD_FACTOR,
     cpu_offload_host_bytes,
     param_shapes,
     shard_numel,
@@ -180,7 +179,7 @@ class KernelFlops:
     dense_bwd: float
     attention_bwd: float
     # a Qwen3.5's Gated DeltaNet layers' delta rule (0 for a Qwen3): forward, the recompute's
-    # forward, and its backward (GDN_BWD_FACTOR x forward: one block's forward again, gradients)
+    # forward, and its backward (one block's forward again, the gradients: memory/model_size.py)
     gdn_fwd: float = 0.0
     gdn_recompute: float = 0.0
     gdn_bwd: float = 0.0
@@ -194,7 +193,7 @@ def kernel_flops(config: Qwen3Config, seq_len: int, *, recomputed_layers: int, *
     dense, attn, gdn = f["dense_fwd"], f["attention_fwd"], f["gdn_fwd"]
     dense_recompute = f["no_attn_recompute"] - f["model"] - gdn  # the layers' matmuls again
     attn_recompute = f["full_recompute"] - f["no_attn_recompute"]  # every layer's attention
-    gdn_bwd = GDN_BWD_FACTOR * gdn
+    gdn_bwd = f["gdn_bwd"]
     return KernelFlops(
         dense_fwd=dense,
         attention_fwd=attn,
