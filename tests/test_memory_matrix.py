@@ -219,10 +219,10 @@ MATRIX = {
 }
 # The layouts also rehearsed on fake tensors: every kind of piece once (tied, odd sizes, bf16
 # norm chunks, 2 and 4 processes, a dp group, no offload, attention once, the loss's peak, CPU
-# offload, mixed placements, LoRA, MoE; one process: tests/test_rehearsal.py's "sp1"). A
-# rehearsal costs more than the real steps here (3.4 s against 2.2 s a layout on 2 cores: fake
-# tensors pay per operation, and the shapes are small), so the other 18 layouts, made of the same
-# pieces, are left to the real steps.
+# offload, mixed placements, LoRA, MoE, Qwen3.5's Gated DeltaNet layers and shared expert; one
+# process: tests/test_rehearsal.py's "sp1"). A rehearsal costs more than the real steps here
+# (3.4 s against 2.2 s a layout on 2 cores: fake tensors pay per operation, and the shapes are
+# small), so the other 20 layouts, made of the same pieces, are left to the real steps.
 REHEARSED = (
     "sp2 tied large vocab",
     "sp2 odd sizes",
