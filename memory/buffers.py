@@ -490,7 +490,8 @@ def layer_backward_moments(
       "Gated DeltaNet recompute (gated norm)": the recompute's forward at the gated norm's last
         product, where the forward still holds the packed projections, the delta rule's output
         and z as locals, with the norm's fp32 product and its cast, and the layer's output
-        gradient: the largest moment of a GDN layer at Qwen3.5's shapes;
+        gradient (at Qwen3.5's shapes within 1% of the MLP's backward and the norm's, the three
+        largest: the rehearsal's peak is the MLP's at the 9B's, the norm's at the 35B-A3B's);
       "Gated DeltaNet gated norm backward": the norm's fp32 gradient, its two products and a cast;
       "Gated DeltaNet delta rule backward": the zeroed gradients of q, k, v, g, beta, the output's
         gradient, z's part of the input gradient, and one block's working set (_gdn_block).
