@@ -581,14 +581,31 @@ def _every_fourth_full(n: int) -> tuple[str, ...]:
     return tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n))
 
 
-_QWEN35_LINEAR = dict(  # what every real Qwen3.5 shares (its config.json files)
-    linear_num_key_heads=16,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    partial_rotary_factor=0.25,
-    attn_output_gate=True,
-)
+def _qwen3_5(hidden: int, mlp: int, layers: int, heads: int, value_heads: int) -> Qwen3Config:
+    """A real Qwen3.5's text model: what every one shares (its config.json files: 16 key heads
+    of the delta rule, heads of 256 with RoPE on 64, 4 kv heads, 262,144 positions) and its size."""
+    return Qwen3Config(
+        vocab_size=248320,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=4,
+        head_dim=256,
+        rope_theta=10_000_000.0,
+        max_position_embeddings=262144,
+        bos_token_id=None,
+        eos_token_id=248044,
+        layer_types=_every_fourth_full(layers),
+        linear_num_key_heads=16,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        partial_rotary_factor=0.25,
+        attn_output_gate=True,
+    )
+
 
 PRESETS: dict[str, Qwen3Config] = {
     # Shapes as published in the Qwen/Qwen3-* config.json files.
@@ -645,60 +662,18 @@ PRESETS: dict[str, Qwen3Config] = {
     ),
     # Qwen/Qwen3.5-9B and Qwen/Qwen3.5-27B's text models: 3 Gated DeltaNet layers to 1 gated
     # attention layer (16 or 24 heads of 256, RoPE on 64 of them), 262,144 native positions.
-    "qwen3.5-9b": Qwen3Config(
-        vocab_size=248320,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=32,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        head_dim=256,
-        rope_theta=10_000_000.0,
-        max_position_embeddings=262144,
-        bos_token_id=None,
-        eos_token_id=248044,
-        **_QWEN35_LINEAR,
-        layer_types=_every_fourth_full(32),
-        linear_num_value_heads=32,
-    ),
-    "qwen3.5-27b": Qwen3Config(
-        vocab_size=248320,
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_hidden_layers=64,
-        num_attention_heads=24,
-        num_key_value_heads=4,
-        head_dim=256,
-        rope_theta=10_000_000.0,
-        max_position_embeddings=262144,
-        bos_token_id=None,
-        eos_token_id=248044,
-        **_QWEN35_LINEAR,
-        layer_types=_every_fourth_full(64),
-        linear_num_value_heads=48,
-    ),
+    "qwen3.5-9b": _qwen3_5(hidden=4096, mlp=12288, layers=32, heads=16, value_heads=32),
+    "qwen3.5-27b": _qwen3_5(hidden=5120, mlp=17408, layers=64, heads=24, value_heads=48),
     # Qwen/Qwen3.5-35B-A3B's text model (Qwen/Qwen3.6-35B-A3B's has the same shapes): 40 layers,
     # each sparse, 256 experts of 512 (8 per token) and a gated shared expert of 512.
-    "qwen3.5-35b-a3b": Qwen3Config(
-        vocab_size=248320,
-        hidden_size=2048,
-        intermediate_size=512,
-        num_hidden_layers=40,
-        num_attention_heads=16,
+    "qwen3.5-35b-a3b": replace(
+        _qwen3_5(hidden=2048, mlp=512, layers=40, heads=16, value_heads=32),
         num_key_value_heads=2,
-        head_dim=256,
-        rope_theta=10_000_000.0,
-        max_position_embeddings=262144,
-        bos_token_id=None,
-        eos_token_id=248044,
         num_experts=256,
         num_experts_per_tok=8,
         moe_intermediate_size=512,
         norm_topk_prob=True,
         shared_expert_intermediate_size=512,
-        **_QWEN35_LINEAR,
-        layer_types=_every_fourth_full(40),
-        linear_num_value_heads=32,
     ),
     # For tests: 3 Gated DeltaNet layers and 1 attention layer, 4 key heads of the delta rule
     # to 8 value heads, RoPE on 8 of 32 dimensions, tied embeddings.

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from dist_utils import run_train
+from hf_ref import ref_loss_and_norm
 from safetensors.torch import load_file, save_file
 from test_documents import ROW_DOCS, make_row, per_document_reference
 from test_train import _common, metrics
@@ -61,6 +62,20 @@ def ours_from(ref, path) -> Qwen3_5:
     return ours
 
 
+def gradient_difference(ref, ours, ref_logits, our_logits, labels) -> float:
+    """Both models' cross-entropy gradients: the largest difference of any parameter's, on the
+    scale of the largest gradient. The reference runs its delta rule in fp32 (even for an fp64
+    model), so the small gradients of A_log and dt_bias, sums over every token that mostly
+    cancel, carry its rounding at about 4e-5 of their own size."""
+    for logits in (ref_logits, our_logits):
+        F.cross_entropy(logits.flatten(0, 1), labels.flatten()).backward()
+    ref_grads = dict(ref.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in ref.parameters())
+    return max(
+        (p.grad - ref_grads[n].grad).abs().max().item() / scale for n, p in ours.named_parameters()
+    )
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_logits_and_gradients_match_transformers(name, tmp_path):
     cfg = VARIANTS[name]
@@ -75,16 +90,7 @@ def test_logits_and_gradients_match_transformers(name, tmp_path):
     print(f"{name}: max |logits - transformers| = {diff:.2e}")
     assert diff <= 1e-5
 
-    for logits in (ref_logits, our_logits):
-        F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
-    # On the scale of the largest gradient: the reference runs its delta rule in fp32 (even for
-    # an fp64 model), so the small gradients of A_log and dt_bias, sums over every token that
-    # mostly cancel, carry its rounding at about 4e-5 of their own size.
-    ref_grads = dict(ref.named_parameters())
-    scale = max(p.grad.abs().max().item() for p in ref.parameters())
-    worst = 0.0
-    for n, p in ours.named_parameters():
-        worst = max(worst, (p.grad - ref_grads[n].grad).abs().max().item() / scale)
+    worst = gradient_difference(ref, ours, ref_logits, our_logits, ids[:, 1:])
     print(f"{name}: max |gradient - transformers| / max |gradient| = {worst:.2e}")
     assert worst <= 1e-5
 
@@ -121,13 +127,8 @@ def setup(tmp_path_factory):
 
 
 def reference_step(ref, rows) -> tuple[float, float]:
-    ref.zero_grad()
-    ids = torch.as_tensor(rows, dtype=torch.long)
-    logits = ref(ids[:, :-1]).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-    loss.backward()
-    norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
-    return loss.item(), norm.item()
+    """transformers: mean cross-entropy over every label of the rows, and its gradient norm."""
+    return ref_loss_and_norm(ref, rows)[:2]
 
 
 LAYOUTS = {  # name: (processes, flags, rows per step)

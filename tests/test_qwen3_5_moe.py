@@ -11,11 +11,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from dist_utils import run_train
 from safetensors.torch import load_file
-from test_qwen3_5 import TINY, multimodal_checkpoint, text_config
+from test_moe import _ref_step as reference_step_with_router_loss
+from test_qwen3_5 import TINY, gradient_difference, multimodal_checkpoint, text_config
 from test_train import _common, metrics
 
 from model.config import Qwen3Config
@@ -69,29 +69,9 @@ def test_logits_and_gradients_match_transformers(tmp_path):
     diff = (our_logits - ref_logits).abs().max().item()
     print(f"max |logits - transformers| = {diff:.2e}")
     assert diff <= 1e-5
-    for logits in (ref_logits, our_logits):
-        F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
-    ref_grads = dict(ref.named_parameters())
-    scale = max(p.grad.abs().max().item() for p in ref.parameters())
-    worst = {}
-    for n, p in ours.named_parameters():
-        want = ref_grads[n].grad
-        worst[n] = (p.grad - want).abs().max().item() / scale
-    print(f"max |gradient - transformers| / max |gradient| = {max(worst.values()):.2e}")
-    assert max(worst.values()) <= 1e-5, max(worst, key=worst.get)
-
-
-def reference_step(ref, rows, coef: float) -> tuple[float, float]:
-    """transformers: mean cross-entropy over every label plus coef x its router loss (over every
-    row and layer), and the gradient norm."""
-    ref.zero_grad()
-    ids = torch.as_tensor(rows, dtype=torch.long)
-    out = ref(ids[:, :-1], output_router_logits=True)
-    loss = F.cross_entropy(out.logits.flatten(0, 1), ids[:, 1:].flatten())
-    loss = loss + coef * out.aux_loss
-    loss.backward()
-    norm = torch.norm(torch.stack([p.grad.norm() for p in ref.parameters()]))
-    return loss.item(), norm.item()
+    worst = gradient_difference(ref, ours, ref_logits, our_logits, ids[:, 1:])
+    print(f"max |gradient - transformers| / max |gradient| = {worst:.2e}")
+    assert worst <= 1e-5
 
 
 @pytest.mark.slow
@@ -112,7 +92,7 @@ def test_train_first_step_matches_transformers_on_every_layout(tmp_path):
         out = tmp_path / name
         run_train(n, *_common(tmp_path, out), *extra, "--eval-every", "0")
         m = metrics(out)[0]
-        loss, norm = reference_step(ref, rows[:nrows], coef)
+        loss, norm = reference_step_with_router_loss(ref, rows[:nrows], coef)
         print(f"{name}: loss {m['loss']:.8f} ({loss:.8f}), grad_norm {m['grad_norm']:.8f}")
         assert m["loss"] == pytest.approx(loss, rel=1e-6)
         assert m["grad_norm"] == pytest.approx(norm, rel=1e-6)
