@@ -728,6 +728,18 @@ PRESETS: dict[str, Qwen3Config] = {
     ),
 }
 
+# For tests: qwen3.5-tiny with every layer sparse, 8 experts of 32 (the top 2 chosen) and a
+# shared expert of 48, untied as the real Qwen3.5 MoE models are.
+PRESETS["qwen3.5-moe-tiny"] = replace(
+    PRESETS["qwen3.5-tiny"],
+    tie_word_embeddings=False,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    norm_topk_prob=True,
+    shared_expert_intermediate_size=48,
+)
+
 
 def load_config(name_or_path: str) -> Qwen3Config:
     """A preset name, or a config.json / model directory read with Qwen3Config.from_hf."""

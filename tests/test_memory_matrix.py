@@ -112,15 +112,7 @@ QWEN35 = replace(
     Qwen3Config.preset("qwen3.5-tiny"), max_position_embeddings=1 << 16, tie_word_embeddings=False
 )
 # ... and its mixture of experts: every layer sparse, 8 experts of 32, top 2, a shared expert of 48
-QWEN35_MOE = replace(
-    QWEN35,
-    tie_word_embeddings=False,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-    shared_expert_intermediate_size=48,
-)
+QWEN35_MOE = replace(Qwen3Config.preset("qwen3.5-moe-tiny"), max_position_embeddings=1 << 16)
 
 # name: (config, world, sp, seq_len, dtype, offload, mlp tile (0: untiled), loss chunk
 #        [, RMSNorm chunk][, SAVE])

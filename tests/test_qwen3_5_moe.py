@@ -22,15 +22,7 @@ from model.config import Qwen3Config
 from model.qwen3_5 import Qwen3_5, SharedExpertMoe
 from model.weights import load_safetensors
 
-MOE = replace(
-    TINY,
-    tie_word_embeddings=False,
-    num_experts=8,
-    num_experts_per_tok=2,
-    moe_intermediate_size=32,
-    norm_topk_prob=True,
-    shared_expert_intermediate_size=48,
-)
+MOE = replace(Qwen3Config.preset("qwen3.5-moe-tiny"), vocab_size=TINY.vocab_size)
 COEF = 0.05  # the router loss's weight in the runs that add it
 
 
