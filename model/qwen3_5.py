@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.attention import cumulative_lengths
 from model.config import Qwen3Config
 from model.delta_rule import gated_delta_rule
 from model.moe import Experts, SparseMoeBlock
@@ -161,13 +162,15 @@ class GatedAttention(nn.Module):
 
 
 def positions_in_documents(doc_lens, length: int, device) -> torch.Tensor:
-    """[length] int64: each token's place in its document (the whole row one document if None)."""
+    """[length] int64: each token's place in its document (the whole row one document if None).
+    From the row's cumulative lengths that attention builds once a row and copies without
+    blocking (model/attention.py), so no GDN layer waits on a host-to-device copy."""
+    tokens = torch.arange(length, device=device)
     if doc_lens is None:
-        return torch.arange(length, device=device)
-    lens = torch.as_tensor(doc_lens, dtype=torch.long)
-    starts = torch.cumsum(lens, 0) - lens  # [documents]
-    first = torch.repeat_interleave(starts, lens)  # [length]: each token's document start
-    return (torch.arange(length) - first).to(device)
+        return tokens
+    cum = cumulative_lengths(doc_lens, 1, device)  # int32 [documents + 1]: starts, then T
+    document = torch.searchsorted(cum[1:], tokens.to(cum.dtype), right=True)  # [length]
+    return tokens - cum[document]
 
 
 def causal_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, doc_lens=None) -> torch.Tensor:
