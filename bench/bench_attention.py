@@ -156,7 +156,7 @@ def run(tokens, sp, *, model="qwen3-8b", device="cuda", tiny=False, steps=1, lim
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     check_heads(nh, nkv, sp)
     hq, hkv = nh // sp, max(nkv // sp, 1)  # per rank, after the exchange
-    fwd_flops = step_flops(cfg, tokens)["attention_fwd"] / cfg.num_hidden_layers / sp
+    fwd_flops = step_flops(cfg, tokens)["attention_fwd"] / max(cfg.attention_layers, 1) / sp
     r = {"q_shape": [1, tokens, hq, hd], "kv_shape": [1, tokens, hkv, hd], "dtype": str(dtype)}
     r.update(fwd_flops=fwd_flops, bwd_flops=ATTN_BWD_FACTOR * fwd_flops, backend=None)
     r.update(backend_pinned=None, backend_ops=[], backend_errors={})

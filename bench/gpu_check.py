@@ -1,10 +1,12 @@
-"""One GPU, under 6 minutes: the pieces of a 1M-token Qwen3-8B step, timed as training runs them
+"""One GPU, under 8 minutes: the pieces of a 1M-token Qwen3-8B step, timed as training runs them
 (1,048,576 tokens over 8 GPUs at sp=8, attention once, 16,384-row MLP tiles, the kernel train.py
 pins), and the 8-GPU step projected from them; what only a GPU shows besides: train.py's backend
 probe and its fallback, memory outside torch's allocator, attention past 2^31 elements, and a
-train.py --cpu-offload run. docs/one-gpu.md lists the parts and the sum.
+train.py --cpu-offload run; and Qwen3.5-9B's own pieces at the same row and sp: its delta rule on
+each kernel, attention at head_dim 256, one full-attention layer. docs/one-gpu.md lists the parts
+and the sum.
 
-    timeout 360 python bench/gpu_check.py --budget-s 330 --out gpu_check.json   # ~3 min expected
+    timeout 480 python bench/gpu_check.py --budget-s 420 --out gpu_check.json   # ~4 min expected
     python bench/gpu_check.py --parts attention,backends --out r.json
     python bench/gpu_check.py --device cpu --tiny --out /tmp/r.json    # tiny shapes, in seconds
 
@@ -46,7 +48,7 @@ from bench.fresh_process import in_fresh_process
 from bench.table import figures, table
 from bench.timer import measure
 from memory.buffers import Buffer, attention_workspace
-from memory.model_size import param_shapes, shard_numel, step_flops
+from memory.model_size import gdn_flops, param_shapes, shard_numel, step_flops
 from memory.plan import plan
 from memory.report import PUBLIC_RECIPE
 from memory.steptime import documents_flops, measured_parts, pinned_gbps
@@ -60,6 +62,9 @@ from model.attention_probe import (
     training_layout,
 )
 from model.config import load_config
+from model.delta_rule import gated_delta_rule
+from model.gdn_kernels import candidate_rules
+from model.gdn_kernels import probe as probe_gdn
 
 ROOT = Path(__file__).resolve().parents[1]
 GB, GiB = 1e9, 2**30
@@ -67,6 +72,8 @@ GB, GiB = 1e9, 2**30
 SHARES = {"loss": 0.13, "layers": 0.27, "attention": 0.15, "backends": 0.13, "optimizer": 0.07}
 # documents last, on the ~40% of the budget the others are expected to leave (~3 of 5.5 minutes)
 SHARES.update(int32=0.10, cpu_offload=0.15, documents=0.05)
+# Qwen3.5-9B's: its delta rule on each kernel, attention at head_dim 256, one attention layer
+SHARES.update(gdn=0.08, attention_hd256=0.12, hybrid_layer=0.06)
 ATTN_TFLOPS = 300.0  # a floor for bf16 causal attention on H100/H200, for the int32 part's estimate
 STARTUP_S = {"cuda": 15.0, "cpu": 3.0}  # a fresh process's imports and CUDA start
 PART_COLUMNS = {"part": "", "status": "", "process_s": ".1f", "process_peak_gb": ".2f"}
@@ -89,6 +96,7 @@ class Geometry:
     offload_run: tuple  # train.py --cpu-offload: model, tokens, steps
     documents: tuple  # rows of documents: how many long ones, how many short ones
     mixed: tuple  # a row of many short documents and one long one: how many short, its length
+    hybrid: str = "qwen3.5-9b"  # the Gated DeltaNet parts' model, at seq_len over sp
 
     @property
     def tokens(self) -> int:
@@ -124,6 +132,7 @@ TINY = Geometry(
     ("tiny", 512, 2),
     (11, 100),
     (50, 128),
+    "qwen3.5-tiny",
 )
 
 
@@ -468,9 +477,94 @@ def part_optimizer(g: Geometry, dev: torch.device, limit_s: float) -> dict:
     return {"optimizer": f"AdamW {kind}", "params_per_gpu": n, "time_s": t.min_s}
 
 
+def part_gdn(g: Geometry, dev: torch.device, limit_s: float) -> dict:
+    """One Gated DeltaNet layer's delta rule as one sp rank runs it (every token of the row, its
+    value heads), forward and backward, on each kernel train.py could take (model/gdn_kernels.py:
+    ours, fla where it imports), each probed against the fp32 reference as --gdn-kernel auto
+    probes it: its seconds, agreement, and TFLOP/s of step_flops' delta-rule count (what
+    --calibration reads into Rates.gdn_tflops). The kernel train.py would pin: `chosen`."""
+    cfg = load_config(g.hybrid)
+    shape = {"tokens": g.seq_len, "hk": cfg.linear_num_key_heads // g.sp}
+    shape.update(hv=cfg.linear_num_value_heads // g.sp, dk=cfg.linear_key_head_dim)
+    shape.update(dv=cfg.linear_value_head_dim)
+    forward, backward = gdn_flops(cfg, g.seq_len)
+    flops = (forward + backward) / cfg.linear_num_value_heads * shape["hv"]  # this rank's heads
+    rules, why_not = candidate_rules(dev)
+    out = {"model": g.hybrid, **shape, "flops": flops, "kernels": {}, "passed_over": why_not}
+    for name, rule in rules.items():
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        why, seconds = probe_gdn(rule, gated_delta_rule, dev, **shape)
+        r = {"agrees": why is None, "why": why, "time_s": seconds or None}
+        if seconds:
+            r["tflops"] = flops / seconds / 1e12
+        if dev.type == "cuda":
+            r["peak_gb"] = torch.cuda.max_memory_allocated(dev) / GB
+            torch.cuda.empty_cache()
+        out["kernels"][name] = r
+    agreed = {n: r["time_s"] for n, r in out["kernels"].items() if r["agrees"]}
+    if not agreed:
+        raise RuntimeError(f"no delta-rule kernel agreed: {out['kernels']}")
+    out["chosen"] = min(agreed, key=agreed.get)
+    out.update(time_s=agreed[out["chosen"]], tflops=flops / agreed[out["chosen"]] / 1e12)
+    return out
+
+
+def part_attention_hd256(g: Geometry, dev: torch.device, limit_s: float) -> dict:
+    """The hybrid's full attention (head_dim 256) as one sp rank runs it over the whole row, on
+    the kernel train.py pins for that shape, and cuDNN against flash (CPU: cpu_flash against
+    math) at check_tokens: time and agreement at head_dim 256, where the kernels' rates and
+    limits differ from head_dim 128's."""
+    cfg = load_config(g.hybrid)
+    r = bench_attention.run(g.seq_len, g.sp, model=cfg, device=str(dev), limit_s=0.7 * limit_s)
+    if r["backend"] is None:
+        raise RuntimeError(f"no attention backend ran at head_dim 256: {r['backend_errors']}")
+    shape = rank_attention_shape(cfg, g.check_tokens, g.sp)
+    heads = (shape["num_heads"], shape["num_kv_heads"], cfg.head_dim)
+    r["check"] = bench_attention.compare_backends(g.check_tokens, *heads, device=str(dev))
+    return r
+
+
+def part_hybrid_layer(g: Geometry, dev: torch.device, limit_s: float) -> dict:
+    """One of the hybrid's full-attention layers (model/qwen3_5.py's HybridLayer: gated
+    attention, partial RoPE, MLP) at one GPU's tokens, forward, recompute and backward as the
+    checkpointed layer runs in training, its attention over the local tokens (sp=1, as the
+    layers part times Qwen3's): per_layer_s, the same layer's attention alone, and the rest."""
+    from model.qwen3 import rope_cos_sin
+    from model.qwen3_5 import HybridLayer
+
+    cfg, dtype = load_config(g.hybrid), _dtype(dev)
+    index = next(i for i in range(cfg.num_hidden_layers) if not cfg.is_linear_layer(i))
+    layer = HybridLayer(cfg, index).to(dev, dtype)
+    T = g.tokens
+    gen = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(1, T, cfg.hidden_size, generator=gen, device=dev, dtype=dtype)
+    cos, sin = rope_cos_sin(cfg, torch.arange(T, device=dev).unsqueeze(0), dtype)
+    backend = bench_attention.pinned_backend(
+        dev, dtype, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, T
+    )
+    set_backend(backend)
+
+    def step():
+        inp = x.detach().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(layer, inp, cos, sin, use_reentrant=False)
+        y.backward(torch.ones_like(y))
+
+    per_layer = measure(step, dev, warmup=1, repeats=2).min_s
+    la = bench_attention.run(T, 1, model=cfg, device=str(dev), limit_s=0.4 * limit_s)
+    la_s = la["fwd_s"] + la["bwd_s"] if la["backend"] else None
+    out = {"model": g.hybrid, "layer_index": index, "tokens": T, "backend": backend}
+    out.update(per_layer_s=per_layer, local_attention_s=la_s)
+    if la_s is not None:
+        # checkpointed: attention runs forward twice and backward once
+        out["per_layer_nonattn_s"] = per_layer - la_s - la["fwd_s"]
+    return out
+
+
 PARTS = {f.__name__.removeprefix("part_"): f for f in (part_loss, part_layers, part_attention)}
 PARTS.update(backends=part_backends, optimizer=part_optimizer, int32=part_int32)
 PARTS.update(cpu_offload=part_cpu_offload, documents=part_documents)
+PARTS.update(gdn=part_gdn, attention_hd256=part_attention_hd256, hybrid_layer=part_hybrid_layer)
 
 
 def _run_parts(names: list, g: Geometry, device: str, limit_s: float) -> dict:
@@ -570,7 +664,7 @@ def main() -> dict:
     ap.add_argument("--tiny", action="store_true", help="tiny preset, 512 tokens over sp=2")
     ap.add_argument("--out", default="gpu_check.json", help="rewritten after every part")
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--budget-s", type=float, default=None, help="whole run (330; tiny 120)")
+    ap.add_argument("--budget-s", type=float, default=None, help="whole run (420; tiny 120)")
     ap.add_argument("--nvlink-gbps", type=float, default=450.0, help="per direction per GPU")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 (H100, H200)")
     a = ap.parse_args()
@@ -581,7 +675,7 @@ def main() -> dict:
     if set(asked) - set(PARTS):
         ap.error(f"--parts: unknown {sorted(set(asked) - set(PARTS))}; known {', '.join(PARTS)}")
     todo = [n for n in PARTS if n in asked]
-    budget = a.budget_s or (120.0 if a.tiny else 330.0)
+    budget = a.budget_s or (120.0 if a.tiny else 420.0)
     t0, esize = time.perf_counter(), 2 if kind == "cuda" else 4  # bf16 on a GPU, fp32 on CPU
     res = {"device": None, "torch": torch.__version__, "cuda": torch.version.cuda, **asdict(g)}
     res.update(tiny=a.tiny, budget_s=budget, nvlink_gbps=a.nvlink_gbps, argv=sys.argv[1:])

@@ -48,7 +48,7 @@ class Buffer(str, Enum):
     GDN_CONV = "GDN conv: channel copy, K-1 shifted products, output [t, C] (+ [T] reach masks)"
     GDN_QKV = "GDN delta rule's q, k, v: conv's silu output [t, C] and v's copy [t, nv, dv]"
     GDN_GATES = "GDN decays and step sizes [t, nv]: fp32 softplus input and output, g; beta"
-    GDN_STATES = "GDN delta rule's fp32 state at each 1,024-token block's start [nv/sp, dk, dv]"
+    GDN_STATES = "GDN delta rule's fp32 state at each block's start [nv/sp, dk, dv]"
     GDN_NORM = "GDN gated norm: fp32 input, z and silu(z), normed and weighted rows, fp32 1/rms"
     GDN_OUT_PROJ_INPUT = "GDN out_proj input [t, nv x dv]"
     # LoRA (model/lora.py): what the adapters save for their gradients (see _lora_saved)
@@ -89,7 +89,7 @@ class Buffer(str, Enum):
     GDN_NORM_TEMPORARIES = "GDN gated norm forward: fp32 product and its cast [t, nv x dv]"
     GDN_NORM_GRADS = "GDN gated norm backward: fp32 gradient, its products, a cast [t, nv x dv]"
     GDN_RULE_GRADS = "GDN delta rule backward: output gradient, dq, dk, dv, dg, dbeta"
-    GDN_BLOCK = "GDN delta rule backward: one 1,024-token block's fp32 working set"
+    GDN_BLOCK = "GDN delta rule backward: one block's fp32 working set"
     GDN_INPUT_GRAD = "GDN in_proj input gradient [t, H], z's part in"
     # a mixture-of-experts layer (model/moe.py) in place of the MLP
     MOE_ROUTING = "MoE routing: the chosen experts and weights, pairs sorted by expert"
@@ -253,7 +253,7 @@ def gdn_saved_bytes(config: Qwen3Config, tokens: int, sp: int, compute_bytes: in
       GDN_GATES: g = -exp(A_log) * softplus(a + dt_bias) keeps three fp32 [t, nv] (softplus's
         input and output, g), and beta = sigmoid(b) one in the compute dtype;
       GDN_STATES: model/delta_rule.py's forward keeps the fp32 state [nv/sp, dk, dv] at the start
-        of each block of BLOCK_CHUNKS x 64 = 1,024 tokens but the first: ceil(T / 1,024) - 1;
+        of each block of BLOCK_CHUNKS x 64 = 32,768 tokens but the first: ceil(T / 32,768) - 1;
       GDN_NORM: GatedRMSNorm saves x and z upcast to fp32, silu(z) in fp32, the normed rows and
         their product with the weight in the compute dtype (12 + 2b bytes an element; with b = 4
         the upcasts are x and z themselves: 20), and the fp32 1/rms per row of dv;
@@ -277,25 +277,28 @@ def gdn_saved_bytes(config: Qwen3Config, tokens: int, sp: int, compute_bytes: in
     }
 
 
-# The delta rule's backward recomputes one block (1,024 tokens) with autograd and takes its
-# gradients: its fp32 C x C decays, masks, inverse and products and the [C, dk + dv] rows and
-# their gradients, for the block's nv/sp heads. Fitted to the CPU meter at dk = dv = 16 and 64
-# (chunk 64, 4 to 16 value heads, bf16 inputs): 9 tensors of [1,024, 64] and 23 of
-# [1,024, (dk + dv) / 2] fp32 a head, within 2%. With fp32 inputs the block's upcasts of q, k
-# (nk/nv of a head's each), v and the output gradient are the tensors themselves: 2 + 2 nk/nv
-# of the 23 are not made.
-GDN_BLOCK_CC, GDN_BLOCK_CD = 9, 23
+# The delta rule's backward recomputes one block (BLOCK_CHUNKS chunks of 64: 32,768 tokens) with
+# autograd and takes its gradients: its fp32 C x C decays, masks, inverse and products, the
+# [C, dk + dv] rows and their gradients, and the scan's [dk, dk + dv] maps of every chunk through
+# its levels, for the block's nv/sp heads. Fitted to the CPU meter at dk = dv = 32, 64 and 128
+# (chunk 64, 64 to 512 chunks a block, 4 value heads, bf16 inputs), within 0.5%: a head holds
+# 9 fp32 tensors of [rows, 64], 14.5 of [rows, (dk + dv) / 2] and 8.5 maps a chunk (3.4 GB for
+# a Qwen3.5-9B rank at sp 8). With fp32 inputs the block's upcasts of q, k (nk/nv of a head's
+# each), v and the output gradient are the tensors themselves: 2 + 2 nk/nv of the 14.5 are not
+# made (within 1.5%).
+GDN_BLOCK_CC, GDN_BLOCK_CD, GDN_BLOCK_MAPS = 9, 14.5, 8.5
 
 
 def _gdn_block(c: Qwen3Config, tokens: int, sp: int, b: int = 2) -> int:
     """GDN_BLOCK's bytes: one block's backward working set (the comment above)."""
     T, C = tokens * sp, DELTA_RULE_CHUNK
+    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
     rows = min(BLOCK_CHUNKS * C, -(-T // C) * C)  # a short row is one block of whole chunks
-    d = (c.linear_key_head_dim + c.linear_value_head_dim) / 2
     cd = GDN_BLOCK_CD
     if b == 4:
         cd -= 2 + 2 * c.linear_num_key_heads / c.linear_num_value_heads
-    return int(c.linear_num_value_heads // sp * rows * 4 * (GDN_BLOCK_CC * C + cd * d))
+    per_row = GDN_BLOCK_CC * C + cd * (dk + dv) / 2 + GDN_BLOCK_MAPS * dk * (dk + dv) / C
+    return int(c.linear_num_value_heads // sp * rows * 4 * per_row)
 
 
 def _gdn_moments(c: Qwen3Config, t: int, sp: int, b: int, saved: dict, io: dict, grads: int):

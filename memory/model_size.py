@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 from model.config import Qwen3Config
+from model.delta_rule import BLOCK_CHUNKS, scan_compositions
 from model.lora import LoraSpec, trains_whole
 
 
@@ -283,37 +284,45 @@ def _active_matmul_params(c: Qwen3Config, i: int) -> int:
     return flat + c.num_experts_per_tok * 3 * c.hidden_size * c.moe_intermediate_size
 
 
-# The gated delta rule's products (model/delta_rule.py's chunk form), per chunk of C tokens and
-# value head, key dim dk, value dim dv, 2 FLOPs per multiply-add:
+# The gated delta rule's products (model/delta_rule.py's chunk form and scan), per chunk of C
+# tokens and value head, key dim dk, value dim dv, 2 FLOPs per multiply-add:
 #   A = (K * beta) K^T                    [C, dk] x [dk, C]       2 C^2 dk
 #   W = (I + A)^-1 [V_b | K_bg]           [C, C] x [C, dv + dk]   2 C^2 (dv + dk)
 #   Q K^T                                 [C, dk] x [dk, C]       2 C^2 dk
+#   the chunk's map [c | M] = K_d^T W     [dk, C] x [C, dv + dk]  2 C dk (dv + dk)
 #   U = W_v - W_k S                       [C, dk] x [dk, dv]      2 C dk dv
 #   O = (exp(gam) Q) S + (Q K^T * D) U    [C, dk] x [dk, dv], [C, C] x [C, dv]
 #                                                                 2 C dk dv + 2 C^2 dv
-#   S' = exp(gam_C) S + K_d^T U           [dk, C] x [C, dv]       2 C dk dv
-# so per token and value head 2 C (3 dk + 2 dv) + 6 dk dv: 180,224 at C 64, dk = dv = 128. The
-# triangular solve (I + A)^-1 (C^3 / 3 multiply-adds a chunk) is left out, as torch's flop
-# counter leaves it out. Its backward recomputes one block's forward with autograd and takes
-# the gradients of those products: 1 + 2 forwards (GDN_BWD_FACTOR), plus the inverse's gradient,
-# one more [C, C] x [C, C] product a chunk: 2 C^2 per token and head (gdn_bwd_flops_per_token;
-# torch's flop counter on model/delta_rule.py: 3.046 forwards at dk = dv = 128, 3.697 at 16).
+# so per token and value head 2 C (3 dk + 2 dv) + 2 dk^2 + 6 dk dv: 212,992 at C 64,
+# dk = dv = 128. The scan composes the maps of a block's N chunks scan_compositions(N) times
+# (about 2 N), each a [dk, dk] x [dk, dv + dk] product, 2 dk^2 (dk + dv); and a block that starts
+# from a state (every block but a row's first) applies each chunk's prefix map to it,
+# [dk, dk] x [dk, dv] a chunk. At Qwen3.5's shapes and a million tokens the scan adds 1.52x the
+# chunk form's products: 535,808 FLOPs a token and value head in all.
+# The triangular solve (I + A)^-1 (C^3 / 3 multiply-adds a chunk) is left out, as torch's flop
+# counter leaves it out. Backward recomputes one block's forward with autograd and takes the
+# gradients of those products: 1 + 2 forwards (GDN_BWD_FACTOR), plus the inverse's gradient, one
+# more [C, C] x [C, C] product a chunk: 2 C^2 per token and head (gdn_flops).
 DELTA_RULE_CHUNK = 64  # model/delta_rule.py's gated_delta_rule(chunk=64), what the model calls
 GDN_BWD_FACTOR = 3.0
 
 
-def gdn_flops_per_token(c: Qwen3Config) -> float:
-    """The delta rule's forward FLOPs per token in one Gated DeltaNet layer, all value heads
-    (the comment above: 180,224 per head at Qwen3.5's shapes; 5.77e6 for 32 heads)."""
+def gdn_flops(c: Qwen3Config, seq_len: int) -> tuple[float, float]:
+    """The delta rule's (forward, backward) FLOPs in one Gated DeltaNet layer over a row of
+    seq_len tokens, all value heads, in model/delta_rule.py's blocks (the comment above): 5.4e5
+    forward FLOPs per token and value head at Qwen3.5's shapes and a million tokens."""
     C, dk, dv = DELTA_RULE_CHUNK, c.linear_key_head_dim, c.linear_value_head_dim
-    return c.linear_num_value_heads * (2.0 * C * (3 * dk + 2 * dv) + 6.0 * dk * dv)
-
-
-def gdn_bwd_flops_per_token(c: Qwen3Config) -> float:
-    """The delta rule's backward FLOPs per token in one Gated DeltaNet layer: GDN_BWD_FACTOR
-    forwards and the inverse's gradient, 2 C^2 a value head (the comment above)."""
-    C = DELTA_RULE_CHUNK
-    return GDN_BWD_FACTOR * gdn_flops_per_token(c) + c.linear_num_value_heads * 2.0 * C * C
+    per_token = 2.0 * C * (3 * dk + 2 * dv) + 2.0 * dk * dk + 6.0 * dk * dv
+    chunks = -(-seq_len // C)
+    scan = 0.0
+    for first in range(0, chunks, BLOCK_CHUNKS):  # one block of up to BLOCK_CHUNKS chunks
+        n = min(BLOCK_CHUNKS, chunks - first)
+        scan += scan_compositions(n) * 2.0 * dk * dk * (dk + dv)
+        if first > 0:  # the block starts from the state the block before left
+            scan += n * 2.0 * dk * dk * dv
+    forward = c.linear_num_value_heads * (per_token * seq_len + scan)
+    backward = GDN_BWD_FACTOR * forward + c.linear_num_value_heads * 2.0 * C * C * seq_len
+    return forward, backward
 
 
 def attention_square(seq_len: int, doc_len: int = 0) -> int:
@@ -339,9 +348,8 @@ def step_flops(
     Forward: dense matmuls 2 x (non-embedding matmul parameters) x T; lm_head 2 x V x H x T
     (the embedding is a lookup); causal attention 2 x T^2/2 x heads x head_dim for QK^T and the
     same for PV, per attention layer (a Qwen3.5's full-attention layers only); the Gated
-    DeltaNet layers' delta rule gdn_flops_per_token x T (its backward gdn_bwd_flops_per_token:
-    one block's forward again, then the gradients), linear in T whether or not the row holds
-    documents. Backward: 2x
+    DeltaNet layers' delta rule gdn_flops (its backward: one block's forward again, then the
+    gradients), linear in T whether or not the row holds documents. Backward: 2x
     forward for matmuls; attention's backward is 2.5x its forward (FlashAttention's backward does
     5 T^2 products against the forward's 2, recomputing QK^T). The one-pass loss does its 3
     products in forward and none in backward: same count. Recomputation adds one forward of the
@@ -357,8 +365,7 @@ def step_flops(
     lm_head = 2.0 * c.vocab_size * c.hidden_size * T
     square = attention_square(T, doc_len)  # T^2 for one sequence
     attn = c.attention_layers * 2 * (2.0 * square / 2) * c.num_attention_heads * c.head_dim
-    gdn = c.linear_layers * gdn_flops_per_token(c) * T  # per document or not: linear in T
-    gdn_bwd = c.linear_layers * gdn_bwd_flops_per_token(c) * T
+    gdn, gdn_bwd = (c.linear_layers * f for f in gdn_flops(c, T))  # documents or not: linear
     model = 3 * (dense + lm_head) + (1 + attn_bwd_factor) * attn + gdn + gdn_bwd
     dense_bwd, loss = 2 * dense, 3 * lm_head
     if lora is not None:

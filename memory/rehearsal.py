@@ -41,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from memory.meter import StepMeter
+from memory.model_size import DELTA_RULE_CHUNK
 
 PHASES = ("forward", "loss", "backward", "optimizer")
 
@@ -111,6 +112,7 @@ class FlopCount(TorchDispatchMode):
             self.formulas[op] = shape_wrapper(formula)
         self.by_part: dict[str, int] = {}
         self.part = "other"
+        self.scale = 1  # what one run of the ops below stands for (OneBlockDeltaRule)
         self._handles = []
         for i, layer in enumerate(layers):
             name = f"layers.{i}"
@@ -140,7 +142,7 @@ class FlopCount(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = self.formulas.get(func._overloadpacket)
         if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
+            flops = formula(*args, **kwargs, out_val=out) * self.scale
             self.by_part[self.part] = self.by_part.get(self.part, 0) + flops
         return out
 
@@ -179,6 +181,93 @@ def ask_real_kernels(device: torch.device) -> None:
 
     with unset_fake_temporarily():
         fused_ops(device)
+
+
+# ---- what repeats ------------------------------------------------------------------------------
+class OneBlockDeltaRule:
+    """The delta rule (model/delta_rule.py) for a rehearsal: one block run for real, the others'
+    tensors made as the real rule makes them, so a GDN layer costs one block's operations.
+
+    model/delta_rule.py runs a row in blocks of BLOCK_CHUNKS x 64 tokens, all alike: the forward
+    writes each block's output into one [B, T, Hv, dv] tensor and keeps the state at each block's
+    start; backward recomputes one block at a time with autograd, writing its gradients into
+    zeroed whole-row ones. On fake tensors every operation costs ~0.5 ms of Python whatever its
+    size, and a million-token row is 32 blocks of ~2,000 operations a layer and pass: two steps
+    of Qwen3.5-9B would take ~25 minutes. Here the output, the kept states and the zeroed
+    gradients are made whole, as the real rule makes them, and one block from a kept state runs
+    forward (and in backward, its recompute and gradients) through the real rule. Its FLOPs
+    count for every block (FlopCount.scale); its working set is a block's. Rows of one block,
+    and rows of documents (pieces per document), run the real rule.
+    Used as `model.set_delta_rule(OneBlockDeltaRule())`; each step sets `.flops`."""
+
+    def __init__(self) -> None:
+        self.flops = None  # this step's FlopCount, or None
+
+    def __call__(self, q, k, v, g, beta, *, doc_lens=None):
+        from model.delta_rule import BLOCK_CHUNKS, gated_delta_rule
+
+        if doc_lens is not None or q.shape[1] <= 2 * BLOCK_CHUNKS * DELTA_RULE_CHUNK:
+            return gated_delta_rule(q, k, v, g, beta, doc_lens=doc_lens)
+        return _OneBlock.apply(q, k, v, g, beta, self)
+
+    @contextlib.contextmanager
+    def counted_as(self, blocks: int):
+        """FLOPs of what runs inside count `blocks` times."""
+        if self.flops is None:
+            yield
+            return
+        self.flops.scale = blocks
+        try:
+            yield
+        finally:
+            self.flops.scale = 1
+
+
+class _OneBlock(torch.autograd.Function):
+    """OneBlockDeltaRule's rule: the real rule's tensors, block 1 (from a kept state) computed."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, owner):
+        from model.delta_rule import BLOCK_CHUNKS, gated_delta_rule
+
+        b, n_tok, hv, dv = v.shape
+        size = BLOCK_CHUNKS * DELTA_RULE_CHUNK
+        blocks = -(-n_tok // size)
+        out = torch.empty(b, n_tok, hv, dv, dtype=v.dtype, device=v.device)
+        state = (b, hv, k.shape[-1], dv)  # fp32, at each block's start but the first
+        states = [torch.zeros(state, device=v.device) for _ in range(blocks - 1)]
+        one = slice(size, 2 * size)
+        with owner.counted_as(blocks):
+            o = gated_delta_rule(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one],
+                                 initial_state=states[0])  # fmt: skip
+        out[:, one] = o
+        ctx.owner, ctx.blocks = owner, blocks
+        ctx.save_for_backward(q, k, v, g, beta, *states)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        from model.delta_rule import BLOCK_CHUNKS, gated_delta_rule
+
+        q, k, v, g, beta, *states = ctx.saved_tensors
+        inputs = (q, k, v, g, beta)
+        need = ctx.needs_input_grad[:5]
+        grads = [torch.zeros_like(x) if n else None for x, n in zip(inputs, need, strict=True)]
+        one = slice(BLOCK_CHUNKS * DELTA_RULE_CHUNK, 2 * BLOCK_CHUNKS * DELTA_RULE_CHUNK)
+        leaves = [x[:, one].detach().requires_grad_() for x in inputs]
+        start = states[0].detach().requires_grad_()
+        with torch.enable_grad():
+            with ctx.owner.counted_as(0):  # the real backward has no forward of its own here
+                o, end = gated_delta_rule(*leaves, initial_state=start, output_final_state=True)
+            with ctx.owner.counted_as(ctx.blocks):  # a recompute and its gradients a block
+                found = torch.autograd.grad(
+                    (o, end), [*leaves, start], (grad_out[:, one], torch.zeros_like(end))
+                )
+        for grad, got in zip(grads, found, strict=False):
+            if grad is not None:
+                grad[:, one] = got
+        return (*grads, None)
 
 
 class StepRehearsal:

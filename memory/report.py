@@ -734,7 +734,9 @@ def main(argv: list[str] | None = None) -> int:
         pins = Pins(a.cpu_offload or None, a.save_attention, a.offload)
         choice = choose_layout(config, a.seq_len, pins=pins, **kw)
         p = choice.nearest.plan
-        rates = read_calibration(a.calibration) if a.calibration else None
+        rates = None
+        if a.calibration:
+            rates = read_calibration(a.calibration, head_dim=config.head_dim)
     except (ValueError, FileNotFoundError) as e:
         ap.error(str(e))
     if a.json:

@@ -277,7 +277,7 @@ def pinned_gbps(layers: dict) -> float | None:
     return r["pinned_mib"] * 2**20 / r["reserve_s"] / GB
 
 
-def read_calibration(path: str, base: Rates | None = None) -> Rates:
+def read_calibration(path: str, base: Rates | None = None, head_dim: int | None = None) -> Rates:
     """Rates measured by bench/gpu_check.py on one GPU, read from the JSON it writes; what it did
     not measure (a part that did not run, the links, the disk, the start) stays as `base` has it.
 
@@ -292,6 +292,11 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
       documents.long.per_layer_s  one sp rank's attention, forward and backward, over a row of
                                   a few long documents on flash's variable-length kernel (its
                                   attention_flops, or near-equal documents of documents.tokens)
+      gdn.flops, .time_s          one Gated DeltaNet layer's delta rule as one sp rank runs it,
+                                  forward and backward, on the kernel train.py would pin
+      attention_hd256.fwd_s, .bwd_s (and fwd_flops, bwd_flops)   the hybrid's attention at
+                                  head_dim 256: taken for attention instead of the attention
+                                  part's when head_dim (the planned model's) is 256
     """
     base = base or assumed_rates()
     try:
@@ -327,6 +332,13 @@ def read_calibration(path: str, base: Rates | None = None) -> Rates:
             documents_row_flops(docs, "long") / 1e12,
             docs["long"]["per_layer_s"],
         )
+    gdn = d.get("gdn") or {}
+    if gdn.get("status") == "ok" and "flops" in gdn:
+        take("gdn_tflops", gdn["flops"] / 1e12, gdn.get("time_s"))
+    wide = d.get("attention_hd256") or {}
+    if head_dim == 256 and wide.get("status") == "ok" and "fwd_flops" in wide:
+        take("attention_fwd_tflops", wide["fwd_flops"] / 1e12, wide.get("fwd_s"))
+        take("attention_bwd_tflops", wide["bwd_flops"] / 1e12, wide.get("bwd_s"))
     pin_gbps = pinned_gbps(part["layers"]) if "layers" not in s.missing else None
     if pin_gbps:
         rates["pin_gbps"] = pin_gbps

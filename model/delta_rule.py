@@ -6,6 +6,7 @@ To use it elsewhere: copy this file alone; it needs torch only. Copy it freely.
     o = gated_delta_rule(q, k, v, g, beta)      # q, k [B,T,Hk,dk], v [B,T,Hv,dv], g, beta [B,T,Hv]
     o = gated_delta_rule(q, k, v, g, beta, doc_lens=[700, 1, 323])   # packed documents
     o, s = gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o = gated_delta_rule(q, k, v, g, beta, state_pass="loop")    # the textbook chunk loop
     o = recurrent_gated_delta_rule(q, k, v, g, beta)        # token by token: the reference
 
 Value head j reads query/key head j // (Hv // Hk). q and k are L2-normalised in fp32 inside
@@ -23,8 +24,9 @@ beta_t in (0, 1), and unit-norm k_t:
 that is S_t = a_t (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T. recurrent_gated_delta_rule
 runs this one token at a time: readable, exact, slow.
 
-The derivation of the chunk form, why blocks of chunks bound memory, and how documents
-restart the state: the comment below the imports.
+The derivation of the chunk form, the scan that passes the state through the chunks in few
+steps, why blocks of chunks bound memory, and how documents restart the state: the comment
+below the imports.
 """
 
 from __future__ import annotations
@@ -59,15 +61,33 @@ import torch
 # Every exponent is <= 0 (entries above the diagonal are masked to -inf before exp), so nothing
 # overflows; a long strongly decaying chunk underflows to 0, which is the right value.
 #
-# Blocks of chunks bound the memory. Autograd through the chunk loop would keep every chunk's
-# intermediates (C x C matrices, deltas, and the state before each chunk) for the whole row. The
-# autograd.Function here runs the forward under no_grad in blocks of BLOCK_CHUNKS chunks (16 x 64 =
-# 1,024 tokens by default) and keeps for backward only its inputs and the state at each block's
-# start ([B, Hv, dk, dv] each: T / 1,024 of them). Backward walks the blocks in reverse: it
-# recomputes one block's forward with autograd from its saved start state, backpropagates the
-# output gradient's slice and the gradient of the block's end state through it, and hands the
-# start state's gradient to the block before. Exact (the same arithmetic twice), one block's
-# intermediates alive at a time, and one extra forward in all.
+# The state's pass through the chunks. Taken one chunk after another (the textbook loop,
+# state_pass="loop") it is N sequential steps of a few small products: at a million tokens and
+# chunk 64, 16,384 steps per layer and pass, each a handful of kernel launches. But putting U
+# into S_C shows that each chunk maps its start state to its end state affinely,
+#
+#     S_C = M S_0 + c,    M = exp(gam_C) I - K_d^T W_k  [dk, dk],    c = K_d^T W_v  [dk, dv],
+#
+# with M and c known for every chunk at once. Affine maps compose, (M2, c2) after (M1, c1) being
+# (M2 M1, M2 c1 + c2), so the state at every chunk's start is a prefix scan of the maps
+# (state_pass="scan", the default): composing neighbours pairwise and recursing on the half as
+# long row takes 2 log2(N) rounds of batched products and about 2 N compositions. Then U and O
+# come for every chunk in one product each. The price is FLOPs: a composition is a
+# [dk, dk] x [dk, dk + dv] product, 2 dk^2 (dk + dv) FLOPs, about twice a chunk's own products
+# at Qwen3.5's dk = dv = 128 and chunk 64 (memory/model_size.py counts them).
+#
+# Blocks of chunks bound the memory. Autograd through all the chunks would keep every chunk's
+# intermediates (C x C matrices, deltas, maps) for the whole row. The autograd.Function here runs
+# the forward under no_grad in blocks of BLOCK_CHUNKS chunks (512 x 64 = 32,768 tokens by
+# default) and keeps for backward only its inputs and the state at each block's start
+# ([B, Hv, dk, dv] each: T / 32,768 of them). Backward walks the blocks in reverse: it recomputes
+# one block's forward with autograd from its saved start state, backpropagates the output
+# gradient's slice and the gradient of the block's end state through it, and hands the start
+# state's gradient to the block before. Exact (the same arithmetic twice), one block's
+# intermediates alive at a time, and one extra forward in all. The block size trades memory for
+# steps: at a million tokens 32 blocks per layer, each holding about 3.4 GB of intermediates in
+# backward for 4 value heads of 128 (a Qwen3.5-9B rank at sp 8); block_chunks=64 holds an eighth
+# of that and takes 8 times the steps.
 #
 # Documents. With doc_lens (token counts summing to T, the same for every row of the batch), the
 # state restarts from zero at each document; the first document starts from initial_state (zero
@@ -78,7 +98,7 @@ import torch
 
 __all__ = ["BLOCK_CHUNKS", "gated_delta_rule", "recurrent_gated_delta_rule"]
 
-BLOCK_CHUNKS = 16  # chunks per block: the forward keeps one state per BLOCK_CHUNKS * chunk tokens
+BLOCK_CHUNKS = 512  # chunks per block: the forward keeps one state per BLOCK_CHUNKS * chunk tokens
 L2_EPS = 1e-6
 
 
@@ -105,8 +125,9 @@ def _prepare(q, k, v, g, beta, dtype):
     return q, k, v, g, beta
 
 
-def _chunk_form(q, k, v, g, beta, state, chunk: int):
-    """One stretch of tokens without a document start inside, in chunks of `chunk`.
+def _chunk_form(q, k, v, g, beta, state, chunk: int, scan: bool):
+    """One stretch of tokens without a document start inside, in chunks of `chunk`; the state
+    passes through them by the scan of their maps (scan) or one chunk after another.
 
     q, k [B, H, L, dk]; v [B, H, L, dv]; g, beta [B, H, L]; state [B, H, dk, dv] or None (zero)
     -> (o [B, H, L, dv], state at the end [B, H, dk, dv])."""
@@ -142,8 +163,37 @@ def _chunk_form(q, k, v, g, beta, state, chunk: int):
     k_d = k * (gam[..., -1:] - gam).exp().unsqueeze(-1)  # [B, H, N, C, dk]: exp(gam_C - gam_j) k_j
     chunk_decay = gam[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]: exp(gam_C)
 
+    if not scan:
+        o, state = _state_loop(w_v, w_k, attn, q_g, k_d, chunk_decay, state)
+    else:
+        # chunk i maps its start state to its end state, S -> M_i S + c_i (the comment above),
+        # held as one [dk, dv + dk] matrix [c_i | M_i]: K_d^T [W_v | W_k] gives [c_i | -M_i's
+        # product part] in one product, and the decay goes on M's diagonal
+        kw = k_d.transpose(-1, -2) @ w  # [B, H, N, dk, dv + dk]
+        sign = torch.ones(dv + dk, dtype=a.dtype, device=a.device)  # [dv + dk]: +c, -K_d^T W_k
+        sign[dv:] = -1
+        eye_k = torch.eye(dk, dtype=a.dtype, device=a.device)  # [dk, dk]
+        diagonal = torch.nn.functional.pad(eye_k, (dv, 0))  # [dk, dv + dk]: [0 | I]
+        maps = kw * sign + chunk_decay * diagonal  # [B, H, N, dk, dv + dk]: [c_i | M_i]
+        through = _scan(maps, dv)  # chunk i's end state is M'_i S_0 + c'_i: [c'_i | M'_i]
+        if state is None:  # a zero start state: the end states are the offsets alone
+            ends = through[..., :dv]  # [B, H, N, dk, dv]
+        else:
+            ends = through[..., dv:] @ state.unsqueeze(2) + through[..., :dv]
+        first = torch.zeros_like(ends[:, :, :1]) if state is None else state.unsqueeze(2)
+        starts = torch.cat([first, ends[:, :, :-1]], 2)  # [B, H, N, dk, dv]: each chunk's start
+        u = w_v - w_k @ starts  # [B, H, N, C, dv]: every chunk's deltas at once
+        o = q_g @ starts + attn @ u  # [B, H, N, C, dv]
+        state = ends[:, :, -1].clone()  # [B, H, dk, dv], not a view that would keep every end
+    o = o.reshape(b, h, n * c, dv)[:, :, :n_tok]  # [B, H, L, dv]
+    return o, state
+
+
+def _state_loop(w_v, w_k, attn, q_g, k_d, chunk_decay, state):
+    """The textbook pass of the state through the chunks, one chunk after another: N steps of
+    a few small products each. Returns (o [B, H, N, C, dv], end state [B, H, dk, dv])."""
     outs = []
-    for i in range(n):  # the state's pass through the chunks
+    for i in range(w_v.shape[2]):
         if state is None:  # a zero start state: skip its products
             u = w_v[:, :, i]  # [B, H, C, dv]
             outs.append(attn[:, :, i] @ u)  # [B, H, C, dv]
@@ -152,11 +202,49 @@ def _chunk_form(q, k, v, g, beta, state, chunk: int):
         u = w_v[:, :, i] - w_k[:, :, i] @ state  # [B, H, C, dv]
         outs.append(q_g[:, :, i] @ state + attn[:, :, i] @ u)  # [B, H, C, dv]
         state = state * chunk_decay[:, :, i] + k_d[:, :, i].transpose(-1, -2) @ u
-    o = torch.stack(outs, 2).reshape(b, h, n * c, dv)[:, :, :n_tok]  # [B, H, L, dv]
-    return o, state
+    return torch.stack(outs, 2), state  # [B, H, N, C, dv]
 
 
-def _block(q, k, v, g, beta, state, cuts: list, starts_fresh: bool, chunk: int, dtype):
+def _scan(maps, dv: int):
+    """The inclusive scan of the chunks' affine maps S -> M_i S + c_i along dim 2: maps
+    [B, H, N, dk, dv + dk], each [c_i | M_i] -> the same shape, chunk i's [c'_i | M'_i] with
+    its end state M'_i S_0 + c'_i for the start state S_0 of chunk 0. Work-efficient and
+    log-depth: compose neighbours pairwise (chunk 2j then 2j + 1), scan the half as long row of
+    pairs, then finish each even chunk from the odd chunk before it: 2 log2(N) rounds of batched
+    products, about 2 N compositions in all (scan_compositions)."""
+    n = maps.shape[2]
+    if n == 1:
+        return maps
+    if n % 2:  # an odd count: scan all but the last chunk, then put the last after them
+        head = _scan(maps[:, :, :-1], dv)  # [B, H, N - 1, dk, dv + dk]
+        return torch.cat([head, _compose(maps[:, :, -1:], head[:, :, -1:], dv)], 2)
+    pairs = maps.unflatten(2, (n // 2, 2))  # [B, H, N/2, 2, dk, dv + dk]
+    even, odd = pairs.unbind(3)  # chunks 0, 2, ... and 1, 3, ...: [B, H, N/2, dk, dv + dk]
+    odd = _scan(_compose(odd, even, dv), dv)  # through chunk 2j + 1
+    rest = _compose(even[:, :, 1:], odd[:, :, :-1], dv)  # through chunk 2j = 2j after 2j - 1
+    even = torch.cat([even[:, :, :1], rest], 2)  # [B, H, N/2, dk, dv + dk]
+    return torch.stack([even, odd], 3).flatten(2, 3)  # [B, H, N, dk, dv + dk], in order
+
+
+def _compose(later, earlier, dv: int):
+    """The map `earlier` then `later`, both [..., dk, dv + dk] as [c | M]:
+    M_l (M_e S + c_e) + c_l = [M_l c_e + c_l | M_l M_e], one product and an add."""
+    out = later[..., dv:] @ earlier  # [..., dk, dv + dk]: [M_l c_e | M_l M_e]
+    out[..., :dv] += later[..., :dv]
+    return out
+
+
+def scan_compositions(n: int) -> int:
+    """How many map compositions _scan makes for n chunks (2 n - log2(n) - 2 for a power of
+    two): the planner counts their FLOPs."""
+    if n <= 1:
+        return 0
+    if n % 2:
+        return scan_compositions(n - 1) + 1
+    return n // 2 + (n // 2 - 1) + scan_compositions(n // 2)
+
+
+def _block(q, k, v, g, beta, state, cuts: list, starts_fresh: bool, chunk: int, scan, dtype):
     """One block: raw slices [B, L, H*, d] (g, beta [B, L, Hv]) and its start state
     [B, Hv, dk, dv] (or None) -> (o [B, L, Hv, dv] in `dtype`, end state). `cuts`: the document
     starts inside the block (relative, > 0); starts_fresh: a document starts at the block's
@@ -170,17 +258,23 @@ def _block(q, k, v, g, beta, state, cuts: list, starts_fresh: bool, chunk: int, 
         if s > 0:
             state = None  # a document starts here: the state restarts from zero
         o, state = _chunk_form(
-            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], g[:, :, s:e], beta[:, :, s:e], state, chunk
+            q[:, :, s:e],
+            k[:, :, s:e],
+            v[:, :, s:e],
+            g[:, :, s:e],
+            beta[:, :, s:e],
+            state,
+            chunk,
+            scan,
         )
         outs.append(o)
     o = torch.cat(outs, 2) if len(outs) > 1 else outs[0]  # [B, Hv, L, dv]
     return o.transpose(1, 2), state  # [B, L, Hv, dv]
 
 
-def _blocks(n_tok: int, starts: tuple, chunk: int):
-    """(t0, t1, cuts, starts_fresh) per block of BLOCK_CHUNKS * chunk tokens; `starts`: sorted
-    document starts (> 0) in the row."""
-    size = BLOCK_CHUNKS * chunk
+def _blocks(n_tok: int, starts: tuple, size: int):
+    """(t0, t1, cuts, starts_fresh) per block of `size` tokens; `starts`: sorted document
+    starts (> 0) in the row."""
     out = []
     for t0 in range(0, n_tok, size):
         t1 = min(t0 + size, n_tok)
@@ -196,13 +290,13 @@ class _GatedDeltaRule(torch.autograd.Function):
     backward recomputes one block at a time, last block first."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, starts, chunk):
+    def forward(ctx, q, k, v, g, beta, initial_state, starts, chunk, block_chunks, scan):
         dtype = _compute_dtype(q, k, v, g, beta)
         b, n_tok, hv, dv = v.shape
         dk = k.shape[-1]
         state = None if initial_state is None else initial_state.to(dtype)
         out = torch.empty(b, n_tok, hv, dv, dtype=v.dtype, device=v.device)
-        blocks = _blocks(n_tok, starts, chunk)
+        blocks = _blocks(n_tok, starts, block_chunks * chunk)
         block_states = []  # the state at each block's start (None: zero)
         for t0, t1, cuts, fresh in blocks:
             block_states.append(state)
@@ -217,12 +311,13 @@ class _GatedDeltaRule(torch.autograd.Function):
                 cuts,
                 fresh,
                 chunk,
+                scan,
                 dtype,
             )
             out[:, sl] = o
         if state is None:  # T = 0 is refused, so only an initial_state of None with no tokens
             state = torch.zeros(b, hv, dk, dv, dtype=dtype, device=v.device)
-        ctx.blocks, ctx.chunk, ctx.dtype = blocks, chunk, dtype
+        ctx.blocks, ctx.chunk, ctx.scan, ctx.dtype = blocks, chunk, scan, dtype
         ctx.has_initial = initial_state is not None
         ctx.state_dtype = None if initial_state is None else initial_state.dtype
         ctx.save_for_backward(q, k, v, g, beta, *block_states)
@@ -248,7 +343,7 @@ class _GatedDeltaRule(torch.autograd.Function):
             if s0 is not None:
                 s0 = s0.detach().requires_grad_(want_s0)
             with torch.enable_grad():
-                o, s1 = _block(*leaves, s0, cuts, fresh, ctx.chunk, ctx.dtype)
+                o, s1 = _block(*leaves, s0, cuts, fresh, ctx.chunk, ctx.scan, ctx.dtype)
             wrt = [x for x in leaves if x.requires_grad] + ([s0] if want_s0 else [])
             outputs, out_grads = [o], [grad_out[:, sl].to(ctx.dtype)]
             if d_state is not None:
@@ -267,7 +362,7 @@ class _GatedDeltaRule(torch.autograd.Function):
             d_initial = torch.zeros_like(block_states[0], dtype=ctx.state_dtype)
             if d_state is not None:
                 d_initial = d_state.to(ctx.state_dtype)
-        return (*grads, d_initial, None, None)
+        return (*grads, d_initial, None, None, None, None)
 
 
 def _check(q, k, v, g, beta, doc_lens, initial_state) -> tuple:
@@ -310,6 +405,8 @@ def gated_delta_rule(
     doc_lens: Sequence[int] | None = None,
     initial_state=None,
     chunk: int = 64,
+    block_chunks: int | None = None,
+    state_pass: str = "scan",
     output_final_state: bool = False,
 ):
     """The gated delta rule in chunks, linear in T in time and memory.
@@ -321,11 +418,23 @@ def gated_delta_rule(
     dk ** -0.5; all arithmetic in fp32 (fp64 for fp64 inputs). doc_lens: token counts summing
     to T; the state restarts from zero at each document, the first starting from initial_state.
     Each document is its own pass: many short documents are slow. Differentiable in q, k, v, g,
-    beta and initial_state (once: no double backward)."""
+    beta and initial_state (once: no double backward).
+
+    block_chunks: chunks per block (None: BLOCK_CHUNKS); backward holds one block's
+    intermediates at a time and the forward keeps one state per block. state_pass: "scan" (the
+    state passes through a block's chunks by a log-depth scan of their maps: few, larger steps)
+    or "loop" (the textbook pass, one chunk after another: the same results within rounding,
+    many small steps)."""
     starts = _check(q, k, v, g, beta, doc_lens, initial_state)
-    if chunk < 1:
-        raise ValueError(f"chunk must be positive: {chunk}")
-    out, state = _GatedDeltaRule.apply(q, k, v, g, beta, initial_state, starts, chunk)
+    block_chunks = BLOCK_CHUNKS if block_chunks is None else block_chunks
+    if chunk < 1 or block_chunks < 1:
+        raise ValueError(f"chunk and block_chunks must be positive: {chunk}, {block_chunks}")
+    if state_pass not in ("scan", "loop"):
+        raise ValueError(f"state_pass is 'scan' or 'loop': {state_pass!r}")
+    scan = state_pass == "scan"
+    out, state = _GatedDeltaRule.apply(
+        q, k, v, g, beta, initial_state, starts, chunk, block_chunks, scan
+    )
     return (out, state) if output_final_state else out
 
 

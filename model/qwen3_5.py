@@ -213,6 +213,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps)
         self.out_proj = nn.Linear(self.nv * self.dv, h, bias=False)
         self.mix_fn = local_mix  # replaceable (model/ulysses.py)
+        self.rule = gated_delta_rule  # replaceable by a probed kernel (model/gdn_kernels.py)
 
     def pack(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """qkv [B, T, conv_dim], a, b [B, T, nv] -> [B, T, nk, width]: per key head j its q and k
@@ -242,7 +243,7 @@ class GatedDeltaNet(nn.Module):
         a, b = a.reshape(B, T, nkh * r), b.reshape(B, T, nkh * r)  # [B, T, value heads]
         g = -self.A_log[heads].float().exp() * F.softplus(a.float() + self.dt_bias[heads])
         beta = b.sigmoid()
-        return gated_delta_rule(q, k, v, g, beta, doc_lens=doc_lens)
+        return self.rule(q, k, v, g, beta, doc_lens=doc_lens)
 
     def conv_weights(self, first_key_head: int, nkh: int) -> torch.Tensor:
         """The conv filters [nkh * (2 dk + r dv), K] of key heads first .. first + nkh, in pack's
@@ -353,6 +354,13 @@ class Qwen3_5(nn.Module):
         for layer in self.model.layers:
             if hasattr(layer, "linear_attn"):
                 layer.linear_attn.mix_fn = mix_fn
+
+    def set_delta_rule(self, rule) -> None:
+        """Replace the delta rule of every GDN layer: rule(q, k, v, g, beta, doc_lens=...) as
+        model/delta_rule.py's gated_delta_rule (a kernel model/gdn_kernels.py chose)."""
+        for layer in self.model.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.rule = rule
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

@@ -65,6 +65,8 @@ from model.attention_probe import (
 )
 from model.checkpoint_offload import apply_offload, offloaded_tensors
 from model.config import ConfigError
+from model.delta_rule import gated_delta_rule
+from model.gdn_kernels import pick_gdn_kernel
 from model.parallel import GROUP_TIMEOUT, build_sharded_model, ulysses_group
 from model.ulysses import UlyssesAttention, UlyssesLinearMix
 from run.adapter import lora_spec
@@ -152,10 +154,34 @@ def sharded_model(cfg, mc, model_dir, mesh, device, dtype, fake_mode=None):
     log0(f"model ready in {time.perf_counter() - t0:.1f} s, {loaded}")
     group = ulysses_group(mesh)
     model.set_attention(UlyssesAttention(group))
-    if mc.hybrid:  # the Gated DeltaNet layers' exchange, on the same group
+    if mc.hybrid:  # the Gated DeltaNet layers' exchange, on the same group, and their kernel
         model.set_linear_mix(UlyssesLinearMix(group))
+        model.set_delta_rule(choose_delta_rule(cfg, mc, sp=mesh.size(1), device=device))
     cfg, backend = choose_attention(cfg, mc, sp=mesh.size(1), device=device, dtype=dtype)
     return cfg, model, backend
+
+
+def choose_delta_rule(cfg, mc, sp: int, device):
+    """The Gated DeltaNet layers' delta rule for this rank's heads over the whole row
+    (model/gdn_kernels.py: probed against the fp32 reference where there is a choice). Every
+    rank must run the same kernel: where their picks differ (timings), all take ours. Collective
+    where initialised."""
+    shape = {"hk": mc.linear_num_key_heads // sp, "hv": mc.linear_num_value_heads // sp}
+    shape |= {"dk": mc.linear_key_head_dim, "dv": mc.linear_value_head_dim}
+    try:
+        choice = pick_gdn_kernel(device, tokens=cfg.seq_len, request=cfg.gdn_kernel, **shape)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if dist.is_initialized():
+        picks = [None] * dist.get_world_size()
+        dist.all_gather_object(picks, choice.name)
+        if len(set(picks)) > 1:
+            log0(f"delta rule: the ranks' probes picked {sorted(set(picks))}; all take ours")
+            return gated_delta_rule
+    log0(choice.summary())
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the probe's inputs and gradients, before the pool
+    return choice.rule
 
 
 def choose_attention(cfg, mc, sp, device, dtype) -> tuple[object, BackendChoice]:

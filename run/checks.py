@@ -16,6 +16,7 @@ and imports nothing from train.py.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 
@@ -23,6 +24,7 @@ from data.sources import hub_problem
 from data.synthetic import MIN_SEQ_LEN
 from model.config import PRESETS as MODEL_PRESETS
 from model.config import ConfigError, Qwen3Config
+from model.gdn_kernels import FLA_INSTALL
 from run.adapter import check_lora
 from run.checkpoint import problem as checkpoint_problem
 from run.host_memory import host_memory_bytes
@@ -286,6 +288,8 @@ def check_flags(cfg) -> None:
             "--save-attention: --attn-backend sdpa has no log-sum-exp for attention once; "
             "use --attn-backend auto or --no-save-attention"
         )
+    if getattr(cfg, "gdn_kernel", "auto") == "fla" and importlib.util.find_spec("fla") is None:
+        raise ConfigError(f"--gdn-kernel fla: fla-core is not installed ({FLA_INSTALL})")
     if cfg.cache_dir and os.path.isfile(cfg.cache_dir):
         raise ConfigError(
             f"--cache-dir {cfg.cache_dir} is a file; pass a directory for the token cache"

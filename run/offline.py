@@ -80,7 +80,9 @@ def dry_run(cfg) -> None:
     }
     print(json.dumps(resolved, indent=2, default=str))
     try:
-        rates = read_calibration(cfg.calibration) if cfg.calibration else None
+        rates = None
+        if cfg.calibration:
+            rates = read_calibration(cfg.calibration, head_dim=mc.head_dim)
     except ValueError as e:
         raise ConfigError(f"--calibration {e}") from None
     try:  # a --layout file for another model, say
@@ -317,7 +319,7 @@ def rehearse(cfg, make_optimizer, train_step) -> None:
     micro_batches, cfg) are train.py's own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from memory.rehearsal import fake_process_group
+    from memory.rehearsal import OneBlockDeltaRule, fake_process_group
 
     mc, world, sp, dp = offline_layout(cfg, "to rehearse")
     # The CPU path is what runs (fake CUDA tensors cannot run autograd without a GPU): the same
@@ -343,16 +345,21 @@ def rehearse(cfg, make_optimizer, train_step) -> None:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         cfg, model, pool, planned = build_model(cfg, mc, None, mesh, dp, device, dtype, mode)
         optimizer = make_optimizer(cfg, model)
+        rule = None
+        if mc.hybrid:  # one block of the delta rule's alike blocks for real (OneBlockDeltaRule)
+            rule = OneBlockDeltaRule()
+            model.set_delta_rule(rule)
         steps = [
-            rehearse_step(step, cfg, model, optimizer, pool, mode, sp, train_step)
+            rehearse_step(step, cfg, model, optimizer, pool, mode, sp, train_step, rule)
             for step in (1, 2)
         ]
         pool.reset_step()
     report_rehearsal(cfg, mc, world, sp, dp, dtype, planned, steps)
 
 
-def rehearse_step(step: int, cfg, model, optimizer, pool, mode, sp: int, train_step):
-    """One step on fake tensors under memory/rehearsal.py's StepRehearsal, which it returns."""
+def rehearse_step(step: int, cfg, model, optimizer, pool, mode, sp: int, train_step, rule=None):
+    """One step on fake tensors under memory/rehearsal.py's StepRehearsal, which it returns;
+    rule: the model's OneBlockDeltaRule, told this step's FLOP count."""
     from memory.rehearsal import StepRehearsal
 
     t0 = time.perf_counter()
@@ -376,6 +383,8 @@ def rehearse_step(step: int, cfg, model, optimizer, pool, mode, sp: int, train_s
             count_flops=step == 1,
             host_state=cfg.cpu_offload,
         )
+        if rule is not None:
+            rule.flops = rehearsal.flops
         with rehearsal:
             train_step(model, optimizer, micro_batches, cfg)
     peak = rehearsal.meter.peak_bytes / 1e9

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from model.attention import BACKENDS
+from model.gdn_kernels import GDN_KERNELS
 from run.adapter import DEFAULT_TARGETS
 from run.checks import CHOICES, EVAL_TASKS
 
@@ -80,6 +81,12 @@ class TrainConfig:
         "auto",
         "attention kernel; auto: cudnn else flash on CUDA, cpu_flash on CPU",
         ("auto", *BACKENDS),
+    )
+    gdn_kernel: str = arg(
+        "auto",
+        "Qwen3.5's delta rule; auto: the fastest that its probe shows right (fla on CUDA where "
+        "installed), else ours",
+        ("auto", *GDN_KERNELS),
     )
     tile_mlp: int = arg(
         0, "tokens per MLP tile (MoE: token-expert pairs per expert product); 0 = untiled"

@@ -54,8 +54,10 @@ def rel(a, b):
 
 NAMES = ("out", "state", "dq", "dk", "dv", "dg", "dbeta", "dinitial")
 
+BLOCK = 16  # chunks a block in these tests: several blocks at their lengths
+
 # (T, chunk, Hk, Hv, doc_lens, initial): T not a multiple of the chunk; several blocks
-# (BLOCK_CHUNKS * chunk = 64 tokens at chunk 4); grouped heads; documents incl. a one-token one
+# (BLOCK * chunk = 64 tokens at chunk 4); grouped heads; documents incl. a one-token one
 # and one starting exactly at a block boundary (64); a chunk longer than the row.
 CASES = [
     (150, 16, 2, 2, None, False),
@@ -68,13 +70,18 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("state_pass", ["scan", "loop"])
 @pytest.mark.parametrize("t,chunk,hk,hv,docs,initial", CASES)
-def test_chunked_matches_recurrence_fp64(t, chunk, hk, hv, docs, initial):
+def test_chunked_matches_recurrence_fp64(t, chunk, hk, hv, docs, initial, state_pass):
+    """Both passes of the state through the chunks: the scan of their maps (odd and even chunk
+    counts, a piece of one chunk) and the textbook loop."""
     inputs = make(2, t, hk, hv, 8, 6, initial=initial)
-    got = run(gated_delta_rule, inputs, doc_lens=docs, chunk=chunk)
+    kw = {"doc_lens": docs, "chunk": chunk, "block_chunks": BLOCK, "state_pass": state_pass}
+    got = run(gated_delta_rule, inputs, **kw)
     want = run(recurrent_gated_delta_rule, inputs, doc_lens=docs)
     errors = {n: rel(a, b) for n, a, b in zip(NAMES, got, want, strict=False)}
-    print(f"T={t} chunk={chunk} Hk={hk} Hv={hv} docs={docs}: worst {max(errors.values()):.1e}")
+    print(f"T={t} chunk={chunk} Hk={hk} Hv={hv} docs={docs} {state_pass}: worst "
+          f"{max(errors.values()):.1e}")  # fmt: skip
     for name, err in errors.items():
         assert err < 1e-10, f"{name}: relative error {err:.2e}"
 
@@ -130,8 +137,9 @@ def test_documents_equal_each_document_alone(chunk):
     docs = (40, 1, 23, 22, 7, 57)  # at chunk 4 (blocks of 64 tokens) one starts a block
     q, k, v, g, beta, s0 = make(2, sum(docs), 2, 4, 8, 6, initial=True)
     out, state = gated_delta_rule(
-        q, k, v, g, beta, doc_lens=docs, initial_state=s0, chunk=chunk, output_final_state=True
-    )
+        q, k, v, g, beta, doc_lens=docs, initial_state=s0, chunk=chunk, block_chunks=BLOCK,
+        output_final_state=True,
+    )  # fmt: skip
     at = 0
     for i, n in enumerate(docs):
         sl = slice(at, at + n)
@@ -182,13 +190,14 @@ def test_saved_for_backward_is_inputs_and_block_states(docs):
     block, at any length; autograd through transformers' chunk form keeps several times more,
     growing with every chunk (the check would see intermediates if they were kept)."""
     b, hk, hv, dk, dv, chunk = 1, 2, 4, 16, 16, 16
-    block = dr.BLOCK_CHUNKS * chunk
+    block = BLOCK * chunk
     state_bytes = b * hv * dk * dv * 4
     found = {}
     for t in (2 * block, 8 * block + 40):
         inputs = [x.float().detach().requires_grad_() for x in make(b, t, hk, hv, dk, dv)[:5]]
         doc_lens = (t // 3, 1, t - t // 3 - 1) if docs else None
-        ours = saved_bytes(gated_delta_rule, inputs, chunk=chunk, doc_lens=doc_lens)
+        kw = {"chunk": chunk, "block_chunks": BLOCK, "doc_lens": doc_lens}
+        ours = saved_bytes(gated_delta_rule, inputs, **kw)
         inputs_bytes = sum(x.numel() * x.element_size() for x in inputs)
         n_blocks = -(-t // block)
         assert ours <= inputs_bytes + n_blocks * state_bytes, (t, ours, inputs_bytes)

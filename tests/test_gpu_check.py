@@ -22,7 +22,7 @@ from model.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("loss", "layers", "attention", "backends", "optimizer", "int32", "cpu_offload")
-SECTIONS += ("documents", "projection")
+SECTIONS += ("documents", "gdn", "attention_hd256", "hybrid_layer", "projection")
 
 
 def _script(name, *args, timeout=120):
@@ -155,6 +155,30 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
         assert d[row]["agrees"] is True and max(d[row]["vs_per_document"].values()) == 0.0
         want = d[row]["per_layer_s"] / r["projection"]["terms"]["attention_s"]
         assert r["projection"][f"documents_{row}_vs_stream"] == pytest.approx(want, rel=1e-12)
+    # Qwen3.5's parts (tiny: 2 key and 4 value heads of 16 a rank over 512 tokens; 2 query
+    # heads of 32): the delta rule on each kernel that runs here (CPU: ours alone) against the
+    # fp32 reference, and its rate, which --calibration carries into the dry run; attention at
+    # the hybrid's head_dim, carried for a model with head_dim 256; one attention layer.
+    from memory.model_size import gdn_flops
+
+    gd = r["gdn"]
+    assert (gd["tokens"], gd["hk"], gd["hv"], gd["dk"], gd["dv"]) == (512, 2, 4, 16, 16)
+    assert gd["chosen"] == "ours" and gd["kernels"]["ours"]["agrees"] is True
+    assert "CUDA only" in gd["passed_over"]["fla"]
+    assert gd["flops"] == pytest.approx(sum(gdn_flops(load_config("qwen3.5-tiny"), 512)) / 2)
+    _finite(gd, ["time_s", "tflops"], "gdn")
+    rates = read_calibration(str(out))
+    assert rates.gdn_tflops == pytest.approx(gd["flops"] / gd["time_s"] / 1e12, rel=1e-12)
+    assert "gdn_tflops" in rates.measured
+    wide = r["attention_hd256"]
+    assert wide["q_shape"] == [1, 512, 2, 32] and wide["check"]["agree"] is True
+    assert rates.attention_fwd_tflops == pytest.approx(r["attention"]["fwd_tflops"], rel=1e-9)
+    as256 = read_calibration(str(out), head_dim=256)
+    assert as256.attention_fwd_tflops == pytest.approx(wide["fwd_tflops"], rel=1e-9)
+    assert as256.attention_bwd_tflops == pytest.approx(wide["bwd_tflops"], rel=1e-9)
+    h = r["hybrid_layer"]
+    assert (h["tokens"], h["layer_index"], h["backend"]) == (256, 3, "cpu_flash")
+    _finite(h, ["per_layer_s", "local_attention_s"], "hybrid_layer")
     p = r["projection"]
     _finite(p, ["planner_floor_s", "planner_flops", "a2a_s", "planner_peak_gb"], "projection")
     _finite(p, ["step_s", "layer_s"], "projection", nonnegative=False)

@@ -932,42 +932,49 @@ def test_gdn_saved_bytes_equal_autograd(dtype):
     assert sum(want.values()) + 2 * 4 * QWEN35.linear_num_value_heads == sum(seen.values())
 
 
-def test_gdn_flops_per_token_are_the_chunk_forms_products():
+@pytest.mark.parametrize("block_chunks", [512, 16])
+def test_gdn_flops_are_the_chunk_forms_and_the_scans_products(monkeypatch, block_chunks):
     """memory/model_size.py's delta-rule count against torch's flop counter on
-    model/delta_rule.py at 4,096 tokens (64 chunks): the forward and the backward within 1% (its
-    first chunk starts from a zero state and skips two products). Counting the backward as 3
-    forwards alone (without the inverse's gradient) is 19% short at these shapes."""
+    model/delta_rule.py at 4,096 tokens (64 chunks) and dk = dv = 64, in one block and in four:
+    the forward and the backward within 1%. Leaving out the scan's compositions is 29% short;
+    counting the backward as 3 forwards alone (without the inverse's gradient) 2.5%."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from memory.model_size import gdn_bwd_flops_per_token, gdn_flops_per_token
-    from model.delta_rule import gated_delta_rule
+    import memory.model_size as model_size
+    import model.delta_rule as dr
 
-    c, t = QWEN35, 4096
-    nk, nv, dk, dv = 4, 8, 16, 16
+    monkeypatch.setattr(dr, "BLOCK_CHUNKS", block_chunks)
+    monkeypatch.setattr(model_size, "BLOCK_CHUNKS", block_chunks)
+    nk, nv, dk, dv, t = 2, 4, 64, 64, 4096
+    c = replace(QWEN35, linear_num_key_heads=nk, linear_num_value_heads=nv)
+    c = replace(c, linear_key_head_dim=dk, linear_value_head_dim=dv)
     g = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, t, nk, dk, generator=g, requires_grad=True) for _ in range(2))
     v = torch.randn(1, t, nv, dv, generator=g, requires_grad=True)
     gate = (-torch.rand(1, t, nv, generator=g)).requires_grad_()
     beta = torch.rand(1, t, nv, generator=g).requires_grad_()
     with FlopCounterMode(display=False) as fwd:
-        out = gated_delta_rule(q, k, v, gate, beta)
+        out = dr.gated_delta_rule(q, k, v, gate, beta)
     with FlopCounterMode(display=False) as bwd:
         out.sum().backward()
-    assert fwd.get_total_flops() == pytest.approx(gdn_flops_per_token(c) * t, rel=0.01)
-    assert bwd.get_total_flops() == pytest.approx(gdn_bwd_flops_per_token(c) * t, rel=0.01)
+    want_fwd, want_bwd = model_size.gdn_flops(c, t)
+    print(f"forward {fwd.get_total_flops():.4e} (planned {want_fwd:.4e}), backward "
+          f"{bwd.get_total_flops():.4e} ({want_bwd:.4e})")  # fmt: skip
+    assert fwd.get_total_flops() == pytest.approx(want_fwd, rel=0.01)
+    assert bwd.get_total_flops() == pytest.approx(want_bwd, rel=0.01)
 
 
 def test_hybrid_attention_flops_count_attention_layers_only():
     """Qwen3.5-9B at 1M tokens: attention on its 8 full-attention layers only (16 heads of
     256), the delta rule on its 24 others; a plan keeping attention counts it on those 8."""
-    from memory.model_size import gdn_flops_per_token, step_flops
+    from memory.model_size import gdn_flops, step_flops
 
     c = Qwen3Config.preset("qwen3.5-9b")
     f = step_flops(c, T_1M)
     assert f["attention_fwd"] == 8 * 2 * T_1M * T_1M * 16 * 256
-    assert f["gdn_fwd"] == 24 * gdn_flops_per_token(c) * T_1M
-    assert f["gdn_bwd"] == 24 * (3 * 32 * 180_224 + 32 * 2 * 64 * 64) * T_1M
-    assert gdn_flops_per_token(c) == 32 * 180_224
+    # per token and value head: the chunk form's 212,992 and the scan's 322,816 at 1M tokens
+    assert f["gdn_fwd"] == 24 * 32 * 535_808 * T_1M == 24 * gdn_flops(c, T_1M)[0]
+    assert f["gdn_bwd"] == 24 * (3 * 32 * 535_808 + 32 * 2 * 64 * 64) * T_1M
     once = plan(c, T_1M, gpus=8, sp=8, save_attention=True)
     again = plan(c, T_1M, gpus=8, sp=8)
     assert again.flops.step - once.flops.step == f["attention_fwd"]

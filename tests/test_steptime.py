@@ -335,7 +335,7 @@ def test_a_hybrid_times_attention_on_its_attention_layers_and_the_delta_rule_apa
     forward = project(p).phases[0].terms
     attention = 8 * 2 * T_1M * T_1M * 16 * 256  # 8 layers, QK^T and PV, causal
     assert forward["attention kernels"] == pytest.approx(attention / 8 / 530e12, rel=1e-9)
-    gdn = 24 * 32 * 180_224 * T_1M  # 24 layers x 32 value heads x the chunk form's products
+    gdn = 24 * 32 * 535_808 * T_1M  # 24 layers x 32 value heads x the chunk form's and scan's
     assert forward["GDN kernels"] == pytest.approx(gdn / 8 / 53e12, rel=1e-9)
     faster = project(p, replace(assumed_rates(), gdn_tflops=106.0)).phases[0].terms
     assert faster["GDN kernels"] == pytest.approx(forward["GDN kernels"] / 2, rel=1e-9)
