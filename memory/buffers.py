@@ -281,12 +281,11 @@ def gdn_saved_bytes(config: Qwen3Config, tokens: int, sp: int, compute_bytes: in
 # autograd and takes its gradients: its fp32 C x C decays, masks, inverse and products, the
 # [C, dk + dv] rows and their gradients, and the scan's [dk, dk + dv] maps of every chunk through
 # its levels, for the block's nv/sp heads. Fitted to the CPU meter at dk = dv = 32, 64 and 128
-# (chunk 64, 64 to 512 chunks a block, 4 value heads, bf16 inputs), within 0.5%: a head holds
-# 9 fp32 tensors of [rows, 64], 14.5 of [rows, (dk + dv) / 2] and 8.5 maps a chunk (3.4 GB for
-# a Qwen3.5-9B rank at sp 8). With fp32 inputs the block's upcasts of q, k (nk/nv of a head's
-# each), v and the output gradient are the tensors themselves: 2 + 2 nk/nv of the 14.5 are not
-# made (within 1.5%).
-GDN_BLOCK_CC, GDN_BLOCK_CD, GDN_BLOCK_MAPS = 9, 14.5, 8.5
+# (chunk 64, 256 and 512 chunks a block, 4 value heads, bf16 inputs), within 0.3%: a head holds
+# 7 fp32 tensors of [rows, 64], 21 of [rows, (dk + dv) / 2] and 6.5 maps a chunk (3.4 GB for a
+# Qwen3.5-9B rank at sp 8). With fp32 inputs the block's upcasts of v and of the output gradient
+# are the tensors themselves: 2 of the 21 are not made (within 0.3%).
+GDN_BLOCK_CC, GDN_BLOCK_CD, GDN_BLOCK_MAPS = 7, 21, 6.5
 
 
 def _gdn_block(c: Qwen3Config, tokens: int, sp: int, b: int = 2) -> int:
@@ -296,7 +295,7 @@ def _gdn_block(c: Qwen3Config, tokens: int, sp: int, b: int = 2) -> int:
     rows = min(BLOCK_CHUNKS * C, -(-T // C) * C)  # a short row is one block of whole chunks
     cd = GDN_BLOCK_CD
     if b == 4:
-        cd -= 2 + 2 * c.linear_num_key_heads / c.linear_num_value_heads
+        cd -= 2
     per_row = GDN_BLOCK_CC * C + cd * (dk + dv) / 2 + GDN_BLOCK_MAPS * dk * (dk + dv) / C
     return int(c.linear_num_value_heads // sp * rows * 4 * per_row)
 

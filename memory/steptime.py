@@ -83,10 +83,11 @@ ATTENTION_ONCE_PASSES = (
 # (docs/numbers.md: flash 3.56 + 8.56 s a layer, cuDNN 2.30 + 5.28 s): 1.60. Without a
 # calibration, documents run at the stream's assumed rate over it: 331 TFLOP/s on an H100.
 FLASH_OVER_CUDNN = (3.56 + 8.56) / (2.30 + 5.28)
-# Qwen3.5's Gated DeltaNet layers: model/delta_rule.py's chunk form runs [64, 64]-sized batched
-# products and a Python step per chunk, far from the large matmuls' rate. No GPU has timed it
-# here: assumed at a tenth of the kernel rate (53 TFLOP/s on an H100) until a calibration of the
-# delta rule sets Rates.gdn_tflops. At Qwen3.5-9B's 1M tokens its FLOPs are 0.6% of the step's.
+# Qwen3.5's Gated DeltaNet layers: model/delta_rule.py's chunk form and scan run batched fp32
+# products of [64, 128] to [128, 256] per chunk and head, far from the large bf16 matmuls' rate. No
+# GPU has timed it here: assumed at a tenth of the kernel rate (53 TFLOP/s on an H100) until a
+# calibration (bench/gpu_check.py's gdn part) sets Rates.gdn_tflops. At Qwen3.5-9B's 1M tokens its
+# FLOPs are 0.57% of the step's (its launches, not its FLOPs, may well set its time).
 GDN_OVER_KERNEL = 0.1
 
 

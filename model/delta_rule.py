@@ -167,14 +167,11 @@ def _chunk_form(q, k, v, g, beta, state, chunk: int, scan: bool):
         o, state = _state_loop(w_v, w_k, attn, q_g, k_d, chunk_decay, state)
     else:
         # chunk i maps its start state to its end state, S -> M_i S + c_i (the comment above),
-        # held as one [dk, dv + dk] matrix [c_i | M_i]: K_d^T [W_v | W_k] gives [c_i | -M_i's
-        # product part] in one product, and the decay goes on M's diagonal
+        # held as one [dk, dv + dk] matrix [c_i | M_i]; K_d^T [W_v | W_k] is [c_i | K_d^T W_k]
         kw = k_d.transpose(-1, -2) @ w  # [B, H, N, dk, dv + dk]
-        sign = torch.ones(dv + dk, dtype=a.dtype, device=a.device)  # [dv + dk]: +c, -K_d^T W_k
-        sign[dv:] = -1
         eye_k = torch.eye(dk, dtype=a.dtype, device=a.device)  # [dk, dk]
-        diagonal = torch.nn.functional.pad(eye_k, (dv, 0))  # [dk, dv + dk]: [0 | I]
-        maps = kw * sign + chunk_decay * diagonal  # [B, H, N, dk, dv + dk]: [c_i | M_i]
+        m = chunk_decay * eye_k - kw[..., dv:]  # [B, H, N, dk, dk]: exp(gam_C) I - K_d^T W_k
+        maps = torch.cat([kw[..., :dv], m], -1)  # [B, H, N, dk, dv + dk]: [c_i | M_i]
         through = _scan(maps, dv)  # chunk i's end state is M'_i S_0 + c'_i: [c'_i | M'_i]
         if state is None:  # a zero start state: the end states are the offsets alone
             ends = through[..., :dv]  # [B, H, N, dk, dv]
