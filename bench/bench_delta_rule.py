@@ -3,6 +3,7 @@
     python bench/bench_delta_rule.py                     # T = 4K..64K; transformers' at 4K, 8K
     python bench/bench_delta_rule.py --quick             # T = 1K, 2K: a check that it runs
     python bench/bench_delta_rule.py --lengths 8192,131072 --theirs 8192 --rounds 3
+    python bench/bench_delta_rule.py --loop              # also the textbook chunk loop
 
 The shape is one rank's share of a small Qwen3.5-like linear-attention layer: B = 1, Hk = 2 key
 heads, Hv = 4 value heads, dk = dv = 128, fp32 on the CPU. Each (contender, T) runs in a fresh
@@ -12,8 +13,11 @@ tensor bytes over the inputs in one more (untimed) call, counted by memory/meter
 (what CUDA's allocator would report: the output, the gradients and every intermediate);
 rss_peak is the timer's rise of the resident set, which also holds what the CPU allocator keeps
 and one-time setup (thread pools, kernels), a floor of about 100 MB here.
-ours: gated_delta_rule at chunk 64 (blocks of 1,024 tokens); transformers:
-torch_chunk_gated_delta_rule under plain autograd, which keeps every chunk's intermediates.
+ours: gated_delta_rule at chunk 64 (blocks of BLOCK_CHUNKS x 64 = 32,768 tokens), the state passed
+through the chunks by the scan of their maps; ours_loop: the same with the textbook chunk loop
+(state_pass="loop"), which on a CPU, where launches are cheap, skips the scan's FLOPs;
+transformers: torch_chunk_gated_delta_rule under plain autograd, which keeps every chunk's
+intermediates.
 Per token, ours should be flat in T (time and memory linear); the last lines give the largest
 over the smallest per-token figure, and ours over transformers' where both ran.
 """
@@ -64,6 +68,8 @@ def contender(impl: str):
     """The contender as f(q, k, v, g, beta) -> out [B, T, Hv, dv]."""
     if impl == "ours":
         return lambda *x: gated_delta_rule(*x, chunk=64)
+    if impl == "ours_loop":
+        return lambda *x: gated_delta_rule(*x, chunk=64, state_pass="loop")
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
     fn = hf.torch_chunk_gated_delta_rule
@@ -123,6 +129,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="fresh processes per case")
     ap.add_argument("--quick", action="store_true", help=f"T = {QUICK_LENGTHS}: a check")
     ap.add_argument("--block-chunks", type=int, default=dr.BLOCK_CHUNKS, help="chunks per block")
+    ap.add_argument("--loop", action="store_true", help="also the textbook chunk loop")
     ap.add_argument("--json", default=None, help="also write every result here")
     a = ap.parse_args()
     lengths = a.lengths or (QUICK_LENGTHS if a.quick else LENGTHS)
@@ -133,7 +140,8 @@ def main() -> None:
     print(f"ours: chunk 64, {a.block_chunks} chunks a block ({64 * a.block_chunks} tokens)")
     ours = [best_of("ours", t, a.rounds, a.block_chunks) for t in ours_t]
     hf = [best_of("transformers", t, a.rounds, a.block_chunks) for t in theirs_t]
-    print(table(ours + hf, {**COLUMNS, "error": ""}))
+    loop = [best_of("ours_loop", t, a.rounds, a.block_chunks) for t in ours_t] if a.loop else []
+    print(table(ours + loop + hf, {**COLUMNS, "error": ""}))
     ok = [r for r in ours if "error" not in r]
     if len(ok) > 1:
         print(
@@ -155,7 +163,7 @@ def main() -> None:
                 f"live peak {o['live_peak_mb'] / r['live_peak_mb']:.2f}x"
             )
     if a.json:
-        Path(a.json).write_text(json.dumps(ours + hf, indent=1))
+        Path(a.json).write_text(json.dumps(ours + loop + hf, indent=1))
 
 
 if __name__ == "__main__":
