@@ -508,7 +508,38 @@ def part_gdn(g: Geometry, dev: torch.device, limit_s: float) -> dict:
         raise RuntimeError(f"no delta-rule kernel agreed: {out['kernels']}")
     out["chosen"] = min(agreed, key=agreed.get)
     out.update(time_s=agreed[out["chosen"]], tflops=flops / agreed[out["chosen"]] / 1e12)
+    out["scan_vs_loop"] = _scan_vs_loop(dev, {**shape, "tokens": g.seq_len // 8})
     return out
+
+
+def _scan_vs_loop(dev: torch.device, shape: dict) -> dict:
+    """Ours with the scan against ours with the textbook chunk loop (state_pass="loop"), forward
+    and backward at an eighth of the row (the loop's launches, ~40 a chunk, make the whole row
+    slow to time): what the scan's few steps buy on this device. Both are linear in the row."""
+    loop = functools.partial(gated_delta_rule, state_pass="loop")
+    out = {"tokens": shape["tokens"]}
+    for name, rule in (("scan", gated_delta_rule), ("loop", loop)):
+        inputs = [x.requires_grad_() for x in _gdn_inputs(dev, shape)]
+
+        def step(rule=rule, inputs=inputs):
+            rule(*inputs).sum().backward()
+
+        step()  # the first call warms up kernels and caches
+        out[f"{name}_s"] = min(_timed(step, dev) for _ in range(2))
+    out["loop_over_scan"] = out["loop_s"] / out["scan_s"]
+    return out
+
+
+def _gdn_inputs(dev: torch.device, shape: dict) -> list:
+    """q, k, v, g, beta at `shape` (tokens, hk, hv, dk, dv), bf16 on a GPU (g fp32)."""
+    gen = torch.Generator().manual_seed(0)
+    t, hk, hv = shape["tokens"], shape["hk"], shape["hv"]
+    dtype = _dtype(dev)
+    q, k = (torch.randn(1, t, hk, shape["dk"], generator=gen) for _ in range(2))
+    v = torch.randn(1, t, hv, shape["dv"], generator=gen)
+    g = -0.5 * torch.rand(1, t, hv, generator=gen)
+    beta = torch.rand(1, t, hv, generator=gen)
+    return [x.to(dev, dtype) for x in (q, k, v)] + [g.to(dev), beta.to(dev, dtype)]
 
 
 def part_attention_hd256(g: Geometry, dev: torch.device, limit_s: float) -> dict:

@@ -167,6 +167,8 @@ def test_gpu_check_tiny_end_to_end(tmp_path):
     assert "CUDA only" in gd["passed_over"]["fla"]
     assert gd["flops"] == pytest.approx(sum(gdn_flops(load_config("qwen3.5-tiny"), 512)) / 2)
     _finite(gd, ["time_s", "tflops"], "gdn")
+    assert gd["scan_vs_loop"]["tokens"] == 512 // 8  # the scan against the textbook loop
+    _finite(gd["scan_vs_loop"], ["scan_s", "loop_s", "loop_over_scan"], "gdn.scan_vs_loop")
     rates = read_calibration(str(out))
     assert rates.gdn_tflops == pytest.approx(gd["flops"] / gd["time_s"] / 1e12, rel=1e-12)
     assert "gdn_tflops" in rates.measured
