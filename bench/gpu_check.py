@@ -63,7 +63,7 @@ from model.attention_probe import (
 )
 from model.config import load_config
 from model.delta_rule import gated_delta_rule
-from model.gdn_kernels import candidate_rules
+from model.gdn_kernels import candidate_rules, rule_inputs
 from model.gdn_kernels import probe as probe_gdn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -519,7 +519,7 @@ def _scan_vs_loop(dev: torch.device, shape: dict) -> dict:
     loop = functools.partial(gated_delta_rule, state_pass="loop")
     out = {"tokens": shape["tokens"]}
     for name, rule in (("scan", gated_delta_rule), ("loop", loop)):
-        inputs = [x.requires_grad_() for x in _gdn_inputs(dev, shape)]
+        inputs = [x.requires_grad_() for x in rule_inputs(dev, **shape)]
 
         def step(rule=rule, inputs=inputs):
             rule(*inputs).sum().backward()
@@ -528,18 +528,6 @@ def _scan_vs_loop(dev: torch.device, shape: dict) -> dict:
         out[f"{name}_s"] = min(_timed(step, dev) for _ in range(2))
     out["loop_over_scan"] = out["loop_s"] / out["scan_s"]
     return out
-
-
-def _gdn_inputs(dev: torch.device, shape: dict) -> list:
-    """q, k, v, g, beta at `shape` (tokens, hk, hv, dk, dv), bf16 on a GPU (g fp32)."""
-    gen = torch.Generator().manual_seed(0)
-    t, hk, hv = shape["tokens"], shape["hk"], shape["hv"]
-    dtype = _dtype(dev)
-    q, k = (torch.randn(1, t, hk, shape["dk"], generator=gen) for _ in range(2))
-    v = torch.randn(1, t, hv, shape["dv"], generator=gen)
-    g = -0.5 * torch.rand(1, t, hv, generator=gen)
-    beta = torch.rand(1, t, hv, generator=gen)
-    return [x.to(dev, dtype) for x in (q, k, v)] + [g.to(dev), beta.to(dev, dtype)]
 
 
 def part_attention_hd256(g: Geometry, dev: torch.device, limit_s: float) -> dict:

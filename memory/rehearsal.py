@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
+import model.delta_rule as delta_rule
 from memory.meter import StepMeter
 from memory.model_size import DELTA_RULE_CHUNK
 
@@ -204,10 +205,8 @@ class OneBlockDeltaRule:
         self.flops = None  # this step's FlopCount, or None
 
     def __call__(self, q, k, v, g, beta, *, doc_lens=None):
-        from model.delta_rule import BLOCK_CHUNKS, gated_delta_rule
-
-        if doc_lens is not None or q.shape[1] <= 2 * BLOCK_CHUNKS * DELTA_RULE_CHUNK:
-            return gated_delta_rule(q, k, v, g, beta, doc_lens=doc_lens)
+        if doc_lens is not None or q.shape[1] <= 2 * _block_tokens():
+            return delta_rule.gated_delta_rule(q, k, v, g, beta, doc_lens=doc_lens)
         return _OneBlock.apply(q, k, v, g, beta, self)
 
     @contextlib.contextmanager
@@ -223,23 +222,26 @@ class OneBlockDeltaRule:
             self.flops.scale = 1
 
 
+def _block_tokens() -> int:
+    """Tokens in one of model/delta_rule.py's blocks, read when asked (tests change the block)."""
+    return delta_rule.BLOCK_CHUNKS * DELTA_RULE_CHUNK
+
+
 class _OneBlock(torch.autograd.Function):
     """OneBlockDeltaRule's rule: the real rule's tensors, block 1 (from a kept state) computed."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, owner):
-        from model.delta_rule import BLOCK_CHUNKS, gated_delta_rule
-
         b, n_tok, hv, dv = v.shape
-        size = BLOCK_CHUNKS * DELTA_RULE_CHUNK
+        size = _block_tokens()
         blocks = -(-n_tok // size)
         out = torch.empty(b, n_tok, hv, dv, dtype=v.dtype, device=v.device)
         state = (b, hv, k.shape[-1], dv)  # fp32, at each block's start but the first
         states = [torch.zeros(state, device=v.device) for _ in range(blocks - 1)]
         one = slice(size, 2 * size)
         with owner.counted_as(blocks):
-            o = gated_delta_rule(q[:, one], k[:, one], v[:, one], g[:, one], beta[:, one],
-                                 initial_state=states[0])  # fmt: skip
+            pieces = (x[:, one] for x in (q, k, v, g, beta))
+            o = delta_rule.gated_delta_rule(*pieces, initial_state=states[0])
         out[:, one] = o
         ctx.owner, ctx.blocks = owner, blocks
         ctx.save_for_backward(q, k, v, g, beta, *states)
@@ -248,18 +250,18 @@ class _OneBlock(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        from model.delta_rule import BLOCK_CHUNKS, gated_delta_rule
-
         q, k, v, g, beta, *states = ctx.saved_tensors
         inputs = (q, k, v, g, beta)
         need = ctx.needs_input_grad[:5]
         grads = [torch.zeros_like(x) if n else None for x, n in zip(inputs, need, strict=True)]
-        one = slice(BLOCK_CHUNKS * DELTA_RULE_CHUNK, 2 * BLOCK_CHUNKS * DELTA_RULE_CHUNK)
+        one = slice(_block_tokens(), 2 * _block_tokens())
         leaves = [x[:, one].detach().requires_grad_() for x in inputs]
         start = states[0].detach().requires_grad_()
         with torch.enable_grad():
             with ctx.owner.counted_as(0):  # the real backward has no forward of its own here
-                o, end = gated_delta_rule(*leaves, initial_state=start, output_final_state=True)
+                o, end = delta_rule.gated_delta_rule(
+                    *leaves, initial_state=start, output_final_state=True
+                )
             with ctx.owner.counted_as(ctx.blocks):  # a recompute and its gradients a block
                 found = torch.autograd.grad(
                     (o, end), [*leaves, start], (grad_out[:, one], torch.zeros_like(end))

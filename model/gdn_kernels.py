@@ -78,8 +78,9 @@ def candidate_rules(device: torch.device) -> tuple[dict[str, Callable], dict[str
     return rules, why_not
 
 
-def _inputs(device, tokens: int, hk: int, hv: int, dk: int, dv: int, seed: int = 0) -> list:
-    """Seeded bf16 q, k, v, fp32 g (log-decay in [-0.5, 0]) and bf16 beta at the run's shape."""
+def rule_inputs(device, tokens: int, hk: int, hv: int, dk: int, dv: int, seed: int = 0) -> list:
+    """Seeded bf16 q, k, v [1, tokens, heads, d], fp32 g (log-decay in [-0.5, 0]) and bf16 beta
+    [1, tokens, hv]: what a probe (and bench/gpu_check.py) runs a delta rule on."""
     gen = torch.Generator().manual_seed(seed)
     shapes = ((1, tokens, hk, dk), (1, tokens, hk, dk), (1, tokens, hv, dv))
     q, k, v = (torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes)
@@ -98,15 +99,15 @@ def _run(rule, inputs, grad_out) -> list:
 
 def probe(rule, reference, device, *, tokens, hk, hv, dk, dv) -> tuple[str | None, float]:
     """(None, seconds) when rule agrees with the fp32 reference at this shape, else (why, 0).
-    The seconds are the second of two timed forward + backward calls."""
+    The seconds are those of a forward + backward call after the first (which warms up)."""
     device = torch.device(device)
-    inputs = _inputs(device, tokens, hk, hv, dk, dv)
+    inputs = rule_inputs(device, tokens, hk, hv, dk, dv)
     gen = torch.Generator().manual_seed(1)
     grad_out = torch.randn(1, tokens, hv, dv, generator=gen).to(device)
     want = _run(reference, [x.float() for x in inputs], grad_out)
     try:
-        got = _run(rule, inputs, grad_out)
-        seconds = _timed(lambda: _run(rule, inputs, grad_out), device)
+        got = _run(rule, inputs, grad_out)  # also the warm-up of the timed call
+        seconds = _seconds(lambda: _run(rule, inputs, grad_out), device)
     except Exception as e:  # a kernel that fails at this shape is passed over, not fatal
         return f"failed: {type(e).__name__}: {str(e)[:200]}", 0.0
     for name, a, b in zip(("output", "dq", "dk", "dv", "dg", "dbeta"), got, want, strict=True):
@@ -116,9 +117,8 @@ def probe(rule, reference, device, *, tokens, hk, hv, dk, dv) -> tuple[str | Non
     return None, seconds
 
 
-def _timed(fn, device) -> float:
-    """Seconds of fn's second call (the first warms up kernels and caches)."""
-    fn()
+def _seconds(fn, device) -> float:
+    """Seconds of one call of fn, the device synchronised before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
